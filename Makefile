@@ -1,0 +1,31 @@
+# `make test` and `make demo` bootstrap .venv themselves, idempotently.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.maru-installed
+PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+
+.PHONY: test demo lint venv clean
+
+venv: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.toml
+	@echo "installing maru and its test dependencies into $(VENV) ..."
+	$(PIP) -e '.[test]' -e examples/maru-example-plugin
+	$(BIN)/python -c "import maru, maru_example_plugin"
+	touch $@
+
+lint: $(STAMP)
+	$(BIN)/ruff check maru tests examples
+
+test: lint
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/maru demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Storage backends. Each one honours the contract in `maru.backends.base`."""

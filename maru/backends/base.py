@@ -1,0 +1,228 @@
+"""The Backend contract every storage backend honours.
+
+Semantics, for every backend:
+
+- Keys are bytes (a str is UTF-8 encoded), 1 to `MAX_KEY_BYTES` long.
+- First writer wins: `put` or `reserve` of a key that is stored, or being
+  written by someone else, stores nothing (`False` / `None`).
+- A reservation is invisible until committed; an exception inside the `with`
+  block aborts it and releases its space.
+- A full store evicts least-recently-used objects instead of failing; an
+  object larger than the whole store raises `ObjectTooLargeError`.
+- A miss is `None`/`False`; a broken backend raises `BackendError`.
+
+Subclasses implement the underscored primitives; this class validates keys and
+buffers once, so every backend treats bad input the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from maru.errors import BackendError, InvalidKeyError
+
+MAX_KEY_BYTES = 512
+"""Longest key any backend accepts, in bytes (UTF-8 for str keys)."""
+
+Key = bytes | str
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of a store's counters."""
+
+    capacity: int
+    used: int
+    objects: int
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    reclaimed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a plain dict (for JSON and logs)."""
+        return asdict(self)
+
+
+def normalize_key(key: Key) -> bytes:
+    """The key as bytes, or InvalidKeyError saying what is allowed."""
+    if isinstance(key, str):
+        key = key.encode("utf-8")
+    elif isinstance(key, (bytearray, memoryview)):
+        key = bytes(key)
+    elif not isinstance(key, bytes):
+        raise InvalidKeyError(f"key must be bytes or str, got {type(key).__name__}")
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise InvalidKeyError(f"key is {len(key)} bytes long; allowed: 1 to {MAX_KEY_BYTES} bytes")
+    return key
+
+
+def byte_view(buffer: Any, *, writable: bool = False) -> memoryview:
+    """A flat byte memoryview of bytes, bytearray, numpy arrays or CPU torch tensors."""
+    if type(buffer).__module__.startswith("torch"):
+        buffer = _tensor_as_numpy(buffer)
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TypeError(
+            f"expected a buffer (bytes, bytearray, numpy array, CPU torch tensor), "
+            f"got {type(buffer).__name__}"
+        ) from None
+    if not view.contiguous:
+        raise ValueError("buffer must be contiguous")
+    if writable and view.readonly:
+        raise TypeError(f"buffer of type {type(buffer).__name__} is read-only")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _tensor_as_numpy(tensor: Any) -> Any:
+    torch = sys.modules["torch"]
+    if tensor.device.type != "cpu":
+        raise TypeError(f"tensor must be on the CPU, it is on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+class Backend(ABC):
+    """A key-value store for opaque byte objects. See the module docstring."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type[BaseModel]]
+    description: ClassVar[str] = ""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.options = config.backend_options(self.name)
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    def put(self, key: Key, data: Any) -> bool:
+        """Store `data` under `key`; False if the key exists or there is no room."""
+        return self._put(self._open_key(key), byte_view(data))
+
+    @contextmanager
+    def reserve(self, key: Key, nbytes: int) -> Iterator[memoryview | None]:
+        """Yield a writable buffer of `nbytes` in the store, committed on exit.
+
+        Yields None if the key is stored or being written by someone else.
+        An exception inside the block aborts the write and frees the space.
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        reservation = self._begin(self._open_key(key), nbytes)
+        if reservation is None:
+            yield None
+            return
+        handle, buffer = reservation
+        try:
+            yield buffer
+        except BaseException:
+            self._abort(handle)
+            raise
+        self._commit(handle)
+
+    def get(self, key: Key) -> bytes | None:
+        """The object stored under `key`, or None."""
+        return self._get(self._open_key(key))
+
+    def get_into(self, key: Key, out: Any) -> int | None:
+        """Copy the object into `out` (any writable buffer); its size, or None on a miss.
+
+        If `out` is too small, raises ValueError and copies nothing.
+        """
+        return self._get_into(self._open_key(key), byte_view(out, writable=True))
+
+    def contains(self, keys: Sequence[Key]) -> list[bool]:
+        """One answer per key, in order."""
+        self._check_open()
+        return self._contains([normalize_key(key) for key in keys])
+
+    def delete(self, key: Key) -> bool:
+        """Remove a committed object; False if there was none."""
+        return self._delete(self._open_key(key))
+
+    def stats(self) -> StoreStats:
+        """The store's counters."""
+        self._check_open()
+        return self._stats()
+
+    def close(self) -> None:
+        """Release the store's resources; later calls raise BackendError."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._close()
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _open_key(self, key: Key) -> bytes:
+        self._check_open()
+        return normalize_key(key)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError(f"{self.name} store is closed")
+
+    def _put(self, key: bytes, data: memoryview) -> bool:
+        reservation = self._begin(key, data.nbytes)
+        if reservation is None:
+            return False
+        handle, buffer = reservation
+        try:
+            buffer[:] = data
+        except BaseException:
+            self._abort(handle)
+            raise
+        self._commit(handle)
+        return True
+
+    @staticmethod
+    def too_small(key: bytes, size: int, out: memoryview) -> ValueError:
+        """The error for an output buffer that cannot hold the object."""
+        return ValueError(
+            f"output buffer holds {out.nbytes} bytes but object {key!r} is {size} bytes"
+        )
+
+    @abstractmethod
+    def _begin(self, key: bytes, nbytes: int) -> tuple[Any, memoryview] | None:
+        """Reserve space: (handle, writable buffer), or None if the key is taken."""
+
+    @abstractmethod
+    def _commit(self, handle: Any) -> None:
+        """Make a reserved object visible."""
+
+    @abstractmethod
+    def _abort(self, handle: Any) -> None:
+        """Drop a reservation and free its space."""
+
+    @abstractmethod
+    def _get(self, key: bytes) -> bytes | None: ...
+
+    @abstractmethod
+    def _get_into(self, key: bytes, out: memoryview) -> int | None: ...
+
+    @abstractmethod
+    def _contains(self, keys: list[bytes]) -> list[bool]: ...
+
+    @abstractmethod
+    def _delete(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def _stats(self) -> StoreStats: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...

@@ -1,0 +1,165 @@
+"""The `maru` command line. Every command takes --json; config errors exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from maru.config import ResolvedConfig, resolve_config, shown_value
+from maru.errors import BackendError, ConfigError, MaruError, PluginError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+@dataclass
+class Result:
+    """What a command produced: data for --json, text for people."""
+
+    data: Any
+    text: str
+    exit_code: int = EXIT_OK
+
+
+def cmd_info(args: argparse.Namespace) -> Result:
+    """Version, plugins, backends and layout adapters, with their distributions."""
+    from maru.plugins import get_plugin_manager, maru_version
+
+    manager = get_plugin_manager()
+
+    def provided(items: dict) -> list[dict[str, str]]:
+        return [
+            {
+                "name": p.name,
+                "distribution": p.plugin.distribution,
+                "plugin": p.plugin.name,
+                "description": getattr(p.cls, "description", ""),
+            }
+            for p in items.values()
+        ]
+
+    data = {
+        "version": maru_version(),
+        "plugins": [vars(p) for p in manager.plugins()],
+        "backends": provided(manager.backends),
+        "layout_adapters": provided(manager.layout_adapters),
+    }
+    lines = [f"maru {data['version']}", "plugins:"]
+    lines += [f"  {p['name']:<24} {p['distribution']} {p['version']}" for p in data["plugins"]]
+    for title in ("backends", "layout_adapters"):
+        lines.append(f"{title.replace('_', ' ')}:")
+        lines += [
+            f"  {p['name']:<24} {p['distribution']:<24} {p['description']}" for p in data[title]
+        ] or ["  (none)"]
+    return Result(data, "\n".join(lines))
+
+
+def _flatten(values: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple, Any]]:
+    rows: list[tuple[tuple, Any]] = []
+    for key, value in values.items():
+        path = (*prefix, key)
+        if isinstance(value, dict):
+            rows.extend(_flatten(value, path))
+        else:
+            rows.append((path, value))
+    return rows
+
+
+def _shown_sections(resolved: ResolvedConfig) -> dict[str, Any]:
+    config = resolved.config
+    values = config.model_dump(mode="json", exclude_none=True)
+    values[config.backend] = config.backend_options().model_dump(mode="json")
+    return values
+
+
+def cmd_config_show(args: argparse.Namespace) -> Result:
+    """Every resolved value and the source it came from."""
+    resolved = resolve_config(args.config)
+    rows = [
+        (".".join(path), shown_value(path, value), resolved.source_of(path))
+        for path, value in _flatten(_shown_sections(resolved))
+    ]
+    data = {name: {"value": value, "source": source} for name, value, source in rows}
+    width = max(len(name) for name, _, _ in rows)
+    text = "\n".join(
+        f"{name:<{width}}  {json.dumps(value):<24} {source}" for name, value, source in rows
+    )
+    return Result(data, text)
+
+
+def cmd_config_check(args: argparse.Namespace) -> Result:
+    """Validate one config file on its own (environment ignored)."""
+    config = resolve_config(args.file, env={}).config
+    return Result(
+        {"file": args.file, "valid": True, "backend": config.backend},
+        f"{args.file}: valid (backend {config.backend})",
+    )
+
+
+def cmd_demo(args: argparse.Namespace) -> Result:
+    """Two instances share the KV of a common prompt prefix through the store."""
+    from maru.demo import format_report, run_demo
+
+    report = run_demo(resolve_config(args.config).config)
+    return Result(report, format_report(report), EXIT_OK if report["identical"] else EXIT_FAILURE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every maru command."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser = argparse.ArgumentParser(prog="maru", description="Maru: a KV-cache store for vLLM")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    info = commands.add_parser("info", parents=[common], help="plugins, backends, adapters")
+    info.set_defaults(run=cmd_info)
+
+    config = commands.add_parser("config", help="show or check configuration")
+    config_commands = config.add_subparsers(
+        dest="config_command", required=True, metavar="SUBCOMMAND"
+    )
+    show = config_commands.add_parser(
+        "show", parents=[common], help="resolved values and their sources"
+    )
+    show.add_argument("--config", metavar="FILE", help="config file (else MARU_CONFIG)")
+    show.set_defaults(run=cmd_config_show)
+    check = config_commands.add_parser("check", parents=[common], help="validate a file")
+    check.add_argument("file", metavar="FILE")
+    check.set_defaults(run=cmd_config_check)
+
+    demo = commands.add_parser("demo", parents=[common], help="share a prompt prefix's KV")
+    demo.add_argument("--config", metavar="FILE", help="config file (else MARU_CONFIG)")
+    demo.set_defaults(run=cmd_demo)
+    return parser
+
+
+def _failure(args: argparse.Namespace, exc: BaseException, exit_code: int) -> int:
+    message = str(exc) if isinstance(exc, MaruError) else f"{type(exc).__name__}: {exc}"
+    if getattr(args, "json", False):
+        print(json.dumps({"error": {"type": type(exc).__name__, "message": message}}))
+    print(f"maru: error: {message}", file=sys.stderr)
+    return exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one maru command; the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.run(args)
+    except (ConfigError, PluginError) as exc:
+        return _failure(args, exc, EXIT_USAGE)
+    except BackendError as exc:
+        return _failure(args, exc, EXIT_FAILURE)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        return _failure(args, exc, EXIT_FAILURE)
+    print(json.dumps(result.data, indent=2) if args.json else result.text)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Maru's configuration: one pydantic model, loaded from arguments, vLLM, env and a file.
+
+Precedence, highest first: explicit arguments > vLLM ``kv_connector_extra_config``
+> ``MARU_*`` environment variables > a YAML/TOML/JSON file (``config_file`` or
+``MARU_CONFIG``) > defaults. Each backend's options live in a section named after
+the backend and are validated by that backend's own ``Options`` model. Every
+value remembers where it came from, so errors and ``maru config show`` can say.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from maru.errors import ConfigError
+
+ENV_PREFIX = "MARU_"
+ENV_CONFIG_FILE = "MARU_CONFIG"
+ENV_NESTING = "__"
+DEFAULT_SOURCE = "default"
+SECRET_KEY_RE = re.compile(r"(^|_)(password|secret|token)$", re.IGNORECASE)
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "ki": 2**10,
+    "kib": 2**10,
+    "kb": 10**3,
+    "m": 2**20,
+    "mi": 2**20,
+    "mib": 2**20,
+    "mb": 10**6,
+    "g": 2**30,
+    "gi": 2**30,
+    "gib": 2**30,
+    "gb": 10**9,
+    "t": 2**40,
+    "ti": 2**40,
+    "tib": 2**40,
+    "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE_HELP = "a size such as 4GiB, 4G, 512MiB, 512M or a plain number of bytes"
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from `4GiB`, `4G`, `512M`, `1.5GiB`, `4GB` (decimal) or an integer.
+
+    K, M, G, T and KiB, MiB, GiB, TiB are powers of 1024; KB, MB, GB, TB powers of 1000.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise PydanticCustomError("size", f"not a size; allowed: {_SIZE_HELP}")
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match and _SIZE_UNITS.get(match.group(2).lower())
+        if not unit:
+            raise PydanticCustomError("size", f"not a size; allowed: {_SIZE_HELP}")
+        number = match.group(1)
+        value = (float(number) if "." in number else int(number)) * unit
+    if value != int(value):
+        raise PydanticCustomError("size", "not a whole number of bytes; allowed: " + _SIZE_HELP)
+    return int(value)
+
+
+def _positive_size(value: Any) -> int:
+    size = parse_size(value)
+    if size <= 0:
+        raise PydanticCustomError("size", f"must be greater than zero; allowed: {_SIZE_HELP}")
+    return size
+
+
+def _non_negative_size(value: Any) -> int:
+    size = parse_size(value)
+    if size < 0:
+        raise PydanticCustomError("size", f"must not be negative; allowed: {_SIZE_HELP}")
+    return size
+
+
+Size = Annotated[int, BeforeValidator(_positive_size)]
+"""A byte count greater than zero, written as an integer or `4GiB`, `512M`, ..."""
+
+NonNegativeSize = Annotated[int, BeforeValidator(_non_negative_size)]
+"""A byte count that may be zero."""
+
+
+class Options(BaseModel):
+    """Base for a backend's options section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MaruConfig(BaseModel):
+    """Maru's configuration. Backend sections are added per installed backend."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str = Field("mock", description="name of the storage backend")
+    namespace: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9._:-]{1,64}$",
+        description="prefix that separates tenants sharing one store",
+    )
+    capacity: Size = Field(4 * 2**30, description="bytes the store may hold")
+    chunk_tokens: int = Field(256, gt=0, description="tokens per stored object")
+    config_file: Path | None = Field(None, description="YAML, TOML or JSON file to read")
+
+    installed_backends: ClassVar[tuple[str, ...] | None] = None
+
+    @field_validator("backend")
+    @classmethod
+    def _backend_installed(cls, name: str) -> str:
+        installed = cls.installed_backends
+        if installed is None:
+            from maru.plugins import get_plugin_manager
+
+            installed = tuple(get_plugin_manager().backends)
+        if name not in installed:
+            raise PydanticCustomError(
+                "backend_not_installed",
+                f"no backend named {name!r} is installed; allowed: {', '.join(sorted(installed))}",
+            )
+        return name
+
+    def backend_options(self, name: str | None = None) -> BaseModel:
+        """The validated options section of backend `name` (default: the selected one)."""
+        name = name or self.backend
+        section = getattr(self, name, None) if name in type(self).model_fields else None
+        if section is not None:
+            return section
+        from maru.plugins import get_plugin_manager
+
+        return get_plugin_manager().backend(name).Options()
+
+
+@functools.cache
+def _config_model(backends: tuple[tuple[str, type[BaseModel]], ...]) -> type[MaruConfig]:
+    sections: dict[str, Any] = {name: (opts | None, None) for name, opts in backends}
+    model = create_model("MaruConfig", __base__=MaruConfig, **sections)
+    model.installed_backends = tuple(name for name, _ in backends)
+    return model
+
+
+def config_model() -> type[MaruConfig]:
+    """MaruConfig with one optional section per installed backend."""
+    from maru.plugins import get_plugin_manager
+
+    backends = get_plugin_manager().backends
+    return _config_model(tuple((name, p.cls.Options) for name, p in backends.items()))
+
+
+Path_ = tuple[str, ...]
+
+
+@dataclass
+class ResolvedConfig:
+    """A validated config and the source of every value that was not a default."""
+
+    config: MaruConfig
+    sources: dict[Path_, str] = field(default_factory=dict)
+
+    def source_of(self, path: Path_) -> str:
+        """Where the value at `path` (or the section holding it) came from."""
+        return source_of(self.sources, path)
+
+
+def source_of(sources: Mapping[Path_, str], path: Path_) -> str:
+    """The source of the value at `path`, of the section above it, or of what is inside it."""
+    for end in range(len(path), 0, -1):
+        if path[:end] in sources:
+            return sources[path[:end]]
+    inside = sorted({source for key, source in sources.items() if key[: len(path)] == path})
+    return ", ".join(inside) or DEFAULT_SOURCE
+
+
+class _Merger:
+    """Deep-merges layers of raw settings, remembering the source of each leaf."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+        self.sources: dict[Path_, str] = {}
+
+    def add(
+        self,
+        values: Mapping[str, Any],
+        source: str | None = None,
+        env_names: Mapping[Path_, str] | None = None,
+    ) -> None:
+        for path, value in _leaves(values):
+            target = self.data
+            for part in path[:-1]:
+                if not isinstance(target.get(part), dict):
+                    target[part] = {}
+                target = target[part]
+            target[path[-1]] = value
+            self.sources[path] = env_names[path] if env_names else source or DEFAULT_SOURCE
+
+
+def _leaves(values: Mapping[str, Any], prefix: Path_ = ()) -> list[tuple[Path_, Any]]:
+    leaves: list[tuple[Path_, Any]] = []
+    for key, value in values.items():
+        path = (*prefix, str(key))
+        if isinstance(value, Mapping) and value:
+            leaves.extend(_leaves(value, path))
+        else:
+            leaves.append((path, value))
+    return leaves
+
+
+def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[Path_, str]]:
+    values: dict[str, Any] = {}
+    names: dict[Path_, str] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
+            continue
+        path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING))
+        target = values
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+        target[path[-1]] = value
+        names[path] = f"env {name}"
+    return values, names
+
+
+def read_config_file(path: Path, source: str) -> dict[str, Any]:
+    """The mapping in a YAML, TOML or JSON file; ConfigError if it is not one."""
+    where = f"config_file = {str(path)!r} (from {source})"
+    suffix = path.suffix.lower()
+    loaders = {
+        ".yaml": yaml.safe_load,
+        ".yml": yaml.safe_load,
+        ".json": json.loads,
+        ".toml": tomllib.loads,
+    }
+    if suffix not in loaders:
+        raise ConfigError(
+            f"{where}: unsupported file type {suffix or '(none)'!r}; "
+            "allowed: .yaml, .yml, .toml, .json"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        data = loaders[suffix](text)
+    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{where}: not valid {suffix[1:].upper()}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{where}: the top level must be a mapping of settings, got {type(data).__name__}"
+        )
+    return data
+
+
+def _pick_config_file(
+    overrides: Mapping[str, Any], extra: Mapping[str, Any], env: Mapping[str, str]
+) -> tuple[Path, str] | None:
+    for value, source in (
+        (overrides.get("config_file"), "argument"),
+        (extra.get("config_file"), "kv_connector_extra_config"),
+        (env.get(ENV_CONFIG_FILE), f"env {ENV_CONFIG_FILE}"),
+    ):
+        if value:
+            return Path(value).expanduser(), source
+    return None
+
+
+def resolve_config(
+    config_file: str | os.PathLike[str] | None = None,
+    *,
+    extra_config: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> ResolvedConfig:
+    """Merge every source by precedence, validate, and keep each value's source."""
+    env = os.environ if env is None else env
+    extra = dict(extra_config or {})
+    if config_file is not None:
+        overrides["config_file"] = config_file
+    merger = _Merger()
+    chosen = _pick_config_file(overrides, extra, env)
+    if chosen:
+        path, source = chosen
+        merger.add(read_config_file(path, source), f"file {path}")
+    env_values, env_names = _env_layer(env)
+    merger.add(env_values, env_names=env_names)
+    merger.add(extra, "kv_connector_extra_config")
+    merger.add(overrides, "argument")
+    if chosen:
+        merger.data["config_file"] = str(chosen[0])
+        merger.sources[("config_file",)] = chosen[1]
+    model = config_model()
+    try:
+        config = model.model_validate(merger.data)
+    except ValidationError as exc:
+        raise config_error(exc, model, merger.sources) from None
+    return ResolvedConfig(config, merger.sources)
+
+
+def load_config(
+    config_file: str | os.PathLike[str] | None = None,
+    *,
+    extra_config: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> MaruConfig:
+    """The validated MaruConfig from arguments, vLLM extra config, env and file."""
+    return resolve_config(config_file, extra_config=extra_config, env=env, **overrides).config
+
+
+def shown_value(path: Path_, value: Any) -> Any:
+    """`value`, or a mask if the key at `path` holds a secret."""
+    return "***" if path and SECRET_KEY_RE.search(path[-1]) and value else value
+
+
+def config_error(
+    exc: ValidationError, model: type[BaseModel], sources: Mapping[Path_, str]
+) -> ConfigError:
+    """One ConfigError naming each bad field, its value, its source and what is allowed."""
+    problems = []
+    for error in exc.errors():
+        path = tuple(str(part) for part in error["loc"])
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = f"unknown key; allowed: {_allowed_keys(model, path[:-1])}"
+        value = shown_value(path, error["input"])
+        problems.append(
+            f"{'.'.join(path) or '(top level)'} = {value!r} "
+            f"(from {source_of(sources, path)}): {message}"
+        )
+    return ConfigError("invalid maru config: " + "; ".join(problems))
+
+
+def _allowed_keys(model: type[BaseModel], path: Path_) -> str:
+    for part in path:
+        annotation = model.model_fields[part].annotation if part in model.model_fields else None
+        nested = [
+            a
+            for a in getattr(annotation, "__args__", (annotation,))
+            if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
+        if not nested:
+            return "(none)"
+        model = nested[0]
+    keys = ", ".join(model.model_fields)
+    if not path and getattr(model, "installed_backends", None) is not None:
+        return (
+            f"{', '.join(MaruConfig.model_fields)} and the sections of installed "
+            f"backends ({', '.join(model.installed_backends)})"
+        )
+    return keys or "(none)"

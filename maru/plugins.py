@@ -1,0 +1,160 @@
+"""The plugin manager: built-in plugins plus third-party entry points (group ``maru``).
+
+Entry points are loaded once, on first use. Built-ins go through the same hooks
+as third-party plugins; every backend and layout adapter is attributed to the
+distribution that provides it, so conflicts and `maru info` can name it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from maru import hookspecs
+from maru.errors import ConfigError, PluginError
+
+BUILTIN_PLUGINS = ("maru.backends.mock",)
+ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One registered plugin and the distribution that ships it."""
+
+    name: str
+    distribution: str
+    version: str
+
+
+@dataclass(frozen=True)
+class Provided:
+    """A backend or layout adapter class and where it came from."""
+
+    name: str
+    cls: type
+    plugin: PluginInfo
+
+
+def maru_version() -> str:
+    """The installed maru version."""
+    try:
+        return importlib.metadata.version("maru")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class MaruPluginManager:
+    """Registers maru's plugins and answers which backends and adapters exist."""
+
+    def __init__(self, *, load_entry_points: bool = True, plugins: Iterable[Any] = ()) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
+        self._info: dict[str, PluginInfo] = {}
+        builtin = PluginInfo("builtin", "maru", maru_version())
+        for module_name in BUILTIN_PLUGINS:
+            self._register(importlib.import_module(module_name), module_name, builtin)
+        if load_entry_points:
+            self._load_entry_points()
+        for plugin in plugins:
+            name = getattr(plugin, "__name__", repr(plugin))
+            self._register(plugin, name, PluginInfo(name, name, "unknown"))
+
+    def _register(self, plugin: Any, name: str, info: PluginInfo) -> None:
+        self._pm.register(plugin, name=name)
+        self._info[name] = PluginInfo(name, info.distribution, info.version)
+
+    def _load_entry_points(self) -> None:
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if self._pm.has_plugin(entry_point.name):
+                continue
+            dist = entry_point.dist
+            info = PluginInfo(
+                entry_point.name,
+                dist.metadata["Name"] if dist else "unknown",
+                dist.version if dist else "unknown",
+            )
+            try:
+                plugin = entry_point.load()
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {entry_point.name!r} ({entry_point.value}) from distribution "
+                    f"{info.distribution!r} failed to load: {type(exc).__name__}: {exc}"
+                ) from exc
+            self._register(plugin, entry_point.name, info)
+
+    def plugins(self) -> list[PluginInfo]:
+        """Every registered plugin, built-ins first."""
+        return list(self._info.values())
+
+    @functools.cached_property
+    def backends(self) -> dict[str, Provided]:
+        """Backend classes by name."""
+        provided = self._collect(self._pm.hook.maru_backends, "backend")
+        for item in provided.values():
+            _check_backend_class(item)
+        return provided
+
+    @functools.cached_property
+    def layout_adapters(self) -> dict[str, Provided]:
+        """Layout adapter classes by name, in the order they are asked."""
+        return self._collect(self._pm.hook.maru_layout_adapters, "layout adapter")
+
+    def backend(self, name: str) -> type:
+        """The backend class called `name`, or a ConfigError listing what is installed."""
+        try:
+            return self.backends[name].cls
+        except KeyError:
+            raise ConfigError(
+                f"backend: no backend named {name!r} is installed; "
+                f"installed backends: {', '.join(sorted(self.backends)) or 'none'}"
+            ) from None
+
+    def _collect(self, hook: pluggy.HookCaller, kind: str) -> dict[str, Provided]:
+        provided: dict[str, Provided] = {}
+        for impl in hook.get_hookimpls():  # registration order: built-ins first
+            info = self._info[impl.plugin_name]
+            for cls in impl.function() or ():
+                name = getattr(cls, "name", None)
+                if not isinstance(name, str) or not name:
+                    raise PluginError(
+                        f"{kind} {cls!r} from distribution {info.distribution!r} "
+                        "has no string class attribute 'name'"
+                    )
+                if name in provided:
+                    first = provided[name].plugin
+                    raise PluginError(
+                        f"{kind} name {name!r} is provided twice: by distribution "
+                        f"{first.distribution!r} (plugin {first.name!r}) and by distribution "
+                        f"{info.distribution!r} (plugin {info.name!r}); uninstall one of them"
+                    )
+                provided[name] = Provided(name, cls, info)
+        return provided
+
+
+def _check_backend_class(item: Provided) -> None:
+    from pydantic import BaseModel
+
+    from maru.backends.base import Backend
+
+    options = getattr(item.cls, "Options", None)
+    if not (isinstance(item.cls, type) and issubclass(item.cls, Backend)):
+        problem = "does not subclass maru.backends.base.Backend"
+    elif not (isinstance(options, type) and issubclass(options, BaseModel)):
+        problem = "has no pydantic 'Options' model"
+    else:
+        return
+    raise PluginError(
+        f"backend {item.name!r} from distribution {item.plugin.distribution!r} {problem}"
+    )
+
+
+@functools.cache
+def get_plugin_manager() -> MaruPluginManager:
+    """The process-wide plugin manager, built (and entry points loaded) on first use."""
+    return MaruPluginManager()

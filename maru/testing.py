@@ -1,0 +1,254 @@
+"""Reusable contract tests for storage backends.
+
+A backend author runs the whole contract against their backend with a few lines::
+
+    import pytest
+    from maru.testing import BackendContract
+
+    class TestMyBackend(BackendContract):
+        @pytest.fixture
+        def make_store(self):
+            stores = []
+            def factory(capacity):
+                store = maru.open_store(maru.load_config(backend="mine", capacity=capacity))
+                stores.append(store)
+                return store
+            yield factory
+            for store in stores:
+                store.close()
+
+`make_store(capacity)` returns a fresh, empty store of that many bytes. Every
+built-in backend runs this suite in maru's own tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from maru.backends.base import MAX_KEY_BYTES, Backend
+from maru.errors import BackendError, InvalidKeyError, ObjectTooLargeError
+
+KIB = 1024
+
+
+def payload(key: bytes | str, size: int) -> bytes:
+    """Bytes that only `key` produces at this size, so a wrong or torn read shows."""
+    seed = key.encode() if isinstance(key, str) else key
+    digest = np.frombuffer(hashlib.blake2b(seed + size.to_bytes(8, "little")).digest(), np.uint8)
+    return np.resize(digest, size).tobytes()
+
+
+class BackendContract:
+    """The behaviour every backend promises. Subclass it and provide `make_store`."""
+
+    capacity: int = 256 * KIB
+    """Capacity of the store most tests use."""
+
+    @pytest.fixture
+    def make_store(self) -> Callable[[int], Backend]:
+        raise NotImplementedError("provide a make_store fixture: capacity -> fresh Backend")
+
+    @pytest.fixture
+    def store(self, make_store: Callable[[int], Backend]) -> Backend:
+        return make_store(self.capacity)
+
+    # --- reading and writing -------------------------------------------------
+
+    def test_put_then_get_returns_the_same_bytes(self, store: Backend) -> None:
+        data = payload("k", 10 * KIB)
+        assert store.put(b"k", data) is True
+        assert store.get(b"k") == data
+
+    def test_a_missing_key_is_a_miss_everywhere(self, store: Backend) -> None:
+        assert store.get(b"nope") is None
+        assert store.get_into(b"nope", bytearray(16)) is None
+        assert store.contains([b"nope"]) == [False]
+        assert store.delete(b"nope") is False
+
+    def test_a_str_key_is_its_utf8_bytes(self, store: Backend) -> None:
+        assert store.put("clé", b"v")
+        assert store.get("clé".encode()) == b"v"
+        assert store.contains(["clé", "clé".encode()]) == [True, True]
+
+    def test_first_writer_wins(self, store: Backend) -> None:
+        assert store.put(b"k", b"first") is True
+        assert store.put(b"k", b"second") is False
+        assert store.get(b"k") == b"first"
+
+    def test_an_empty_object_is_stored(self, store: Backend) -> None:
+        assert store.put(b"empty", b"")
+        assert store.get(b"empty") == b""
+        assert store.contains([b"empty"]) == [True]
+
+    def test_get_into_copies_into_bytearray_and_numpy(self, store: Backend) -> None:
+        data = payload("k", 4 * KIB)
+        store.put(b"k", data)
+        out = bytearray(8 * KIB)
+        assert store.get_into(b"k", out) == len(data)
+        assert bytes(out[: len(data)]) == data
+        array = np.zeros(KIB, dtype=np.float32)
+        assert store.get_into(b"k", array) == len(data)
+        assert array.tobytes() == data
+
+    def test_get_into_a_small_buffer_fails_and_loses_nothing(self, store: Backend) -> None:
+        data = payload("k", 4 * KIB)
+        store.put(b"k", data)
+        out = bytearray(KIB)
+        with pytest.raises(ValueError, match="bytes"):
+            store.get_into(b"k", out)
+        assert out == bytearray(KIB)
+        assert store.get(b"k") == data
+
+    def test_get_into_a_read_only_buffer_is_refused(self, store: Backend) -> None:
+        store.put(b"k", b"data")
+        with pytest.raises(TypeError, match="read-only"):
+            store.get_into(b"k", b"\0" * 8)
+
+    def test_contains_gives_one_answer_per_key(self, store: Backend) -> None:
+        store.put(b"a", b"1")
+        store.put(b"c", b"3")
+        assert store.contains([b"a", b"b", b"c", b"a"]) == [True, False, True, True]
+        assert store.contains([]) == []
+        many = [f"key-{i}".encode() for i in range(128)]
+        assert store.contains(many) == [False] * 128
+
+    def test_delete_removes_the_object(self, store: Backend) -> None:
+        store.put(b"k", b"v")
+        assert store.delete(b"k") is True
+        assert store.get(b"k") is None
+        assert store.delete(b"k") is False
+        assert store.put(b"k", b"again")
+        assert store.get(b"k") == b"again"
+
+    # --- keys ----------------------------------------------------------------
+
+    @pytest.mark.parametrize("key", [b"", "", b"x" * (MAX_KEY_BYTES + 1), 42, None])
+    def test_bad_keys_are_refused_with_a_clear_error(self, store: Backend, key: object) -> None:
+        with pytest.raises(InvalidKeyError, match="key"):
+            store.put(key, b"v")  # type: ignore[arg-type]
+        with pytest.raises(InvalidKeyError, match="key"):
+            store.contains([b"fine", key])  # type: ignore[list-item]
+
+    def test_the_longest_allowed_key_works(self, store: Backend) -> None:
+        key = b"k" * MAX_KEY_BYTES
+        assert store.put(key, b"v")
+        assert store.get(key) == b"v"
+
+    # --- reservations --------------------------------------------------------
+
+    def test_a_reservation_is_invisible_until_committed(self, store: Backend) -> None:
+        data = payload("r", 8 * KIB)
+        with store.reserve(b"r", len(data)) as buffer:
+            assert buffer is not None and len(buffer) == len(data)
+            buffer[:] = data
+            assert store.contains([b"r"]) == [False]
+            assert store.get(b"r") is None
+        assert store.get(b"r") == data
+
+    def test_an_exception_aborts_the_reservation(self, store: Backend) -> None:
+        used_before = store.stats().used
+        with pytest.raises(RuntimeError), store.reserve(b"r", 8 * KIB) as buffer:
+            buffer[:4] = b"half"
+            raise RuntimeError("writer failed")
+        assert store.contains([b"r"]) == [False]
+        assert store.stats().used == used_before
+        assert store.put(b"r", b"retry")
+        assert store.get(b"r") == b"retry"
+
+    def test_reserving_a_taken_key_yields_none(self, store: Backend) -> None:
+        store.put(b"stored", b"v")
+        with store.reserve(b"stored", 4) as buffer:
+            assert buffer is None
+        with store.reserve(b"pending", 4) as first:
+            first[:] = b"abcd"
+            with store.reserve(b"pending", 4) as second:
+                assert second is None
+            assert store.put(b"pending", b"wxyz") is False
+        assert store.get(b"pending") == b"abcd"
+
+    # --- capacity and eviction -----------------------------------------------
+
+    def test_an_object_larger_than_the_store_is_refused(self, store: Backend) -> None:
+        with pytest.raises(ObjectTooLargeError, match="larger than"):
+            store.put(b"big", bytes(self.capacity + 1))
+        assert store.contains([b"big"]) == [False]
+
+    def test_a_full_store_evicts_the_least_recently_used(self, store: Backend) -> None:
+        size = self.capacity // 5
+        for i in range(4):
+            assert store.put(f"k{i}", payload(f"k{i}", size))
+        assert store.get(b"k0") == payload("k0", size)
+        for i in range(4, 6):
+            assert store.put(f"k{i}", payload(f"k{i}", size))
+        present = store.contains([f"k{i}" for i in range(6)])
+        assert present[0] and present[4] and present[5], present
+        assert not present[1], present
+        assert store.stats().evictions >= 1
+
+    def test_writes_never_fail_for_lack_of_room(self, store: Backend) -> None:
+        size = self.capacity // 7
+        for i in range(30):
+            assert store.put(f"k{i}", payload(f"k{i}", size)), f"put {i} failed"
+            stats = store.stats()
+            assert stats.used <= stats.capacity
+        assert store.get(b"k29") == payload("k29", size)
+
+    def test_stats_count_objects_bytes_hits_and_misses(self, store: Backend) -> None:
+        before = store.stats()
+        store.put(b"a", bytes(100))
+        store.put(b"b", bytes(200))
+        store.get(b"a")
+        store.get_into(b"b", bytearray(200))
+        store.get(b"missing")
+        stats = store.stats()
+        assert stats.capacity == self.capacity
+        assert stats.objects == before.objects + 2
+        assert stats.used >= before.used + 300
+        assert stats.hits == before.hits + 2
+        assert stats.misses == before.misses + 1
+
+    # --- lifecycle and concurrency -------------------------------------------
+
+    def test_a_closed_store_raises_backend_error(self, make_store) -> None:
+        with make_store(self.capacity) as store:
+            store.put(b"k", b"v")
+        for call in (
+            lambda: store.get(b"k"),
+            lambda: store.put(b"x", b"v"),
+            lambda: store.contains([b"k"]),
+            store.stats,
+        ):
+            with pytest.raises(BackendError, match="closed"):
+                call()
+        store.close()
+
+    def test_threads_never_see_a_torn_or_wrong_object(self, store: Backend) -> None:
+        errors: list[str] = []
+        sizes = [KIB, 7 * KIB, 16 * KIB, 33 * KIB]
+
+        def worker(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            for _ in range(300):
+                i = int(rng.integers(40))
+                key, size = f"obj{i}", sizes[i % len(sizes)]
+                if rng.random() < 0.5:
+                    store.put(key, payload(key, size))
+                else:
+                    got = store.get(key)
+                    if got is not None and got != payload(key, size):
+                        errors.append(f"{key}: wrong bytes")
+
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        stats = store.stats()
+        assert stats.used <= stats.capacity
+        assert stats.evictions > 0

@@ -1,0 +1,39 @@
+"""Shared fixtures: every test starts with no MARU_* settings from the outside."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import maru
+from maru.backends.base import Backend
+
+
+@pytest.fixture(autouse=True)
+def clean_maru_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("MARU_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def open_stores() -> Iterator[Callable[..., Backend]]:
+    """Open stores by config overrides; all are closed at teardown."""
+    stores: list[Backend] = []
+
+    def opener(**overrides: object) -> Backend:
+        store = maru.open_store(maru.load_config(**overrides))
+        stores.append(store)
+        return store
+
+    yield opener
+    for store in stores:
+        store.close()
+
+
+def unique_name(prefix: str = "t") -> str:
+    """A name no other test uses (pool names, mock store names)."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"

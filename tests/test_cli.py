@@ -1,0 +1,117 @@
+"""The `maru` command: info, config show/check, JSON output, and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from maru.cli import main
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_info_json_lists_backends_with_their_distributions(capsys) -> None:
+    code, out, _ = run_cli(capsys, "info", "--json")
+    info = json.loads(out)
+    assert code == 0
+    backends = {b["name"]: b["distribution"] for b in info["backends"]}
+    assert backends["mock"] == "maru"
+    assert backends["dirstore"] == "maru-example-plugin"
+    assert {"name": "dirstore", "distribution": "maru-example-plugin", "version": "0.1.0"} in info[
+        "plugins"
+    ]
+    assert info["version"]
+
+
+def test_info_text(capsys) -> None:
+    code, out, _ = run_cli(capsys, "info")
+    assert code == 0
+    assert "dirstore" in out and "maru-example-plugin" in out
+
+
+def test_config_show_gives_each_value_and_its_source(capsys, tmp_path, monkeypatch) -> None:
+    path = tmp_path / "maru.yaml"
+    path.write_text("capacity: 1GiB\n")
+    monkeypatch.setenv("MARU_NAMESPACE", "team-a")
+    code, out, _ = run_cli(capsys, "config", "show", "--config", str(path), "--json")
+    shown = json.loads(out)
+    assert code == 0
+    assert shown["capacity"] == {"value": 2**30, "source": f"file {path}"}
+    assert shown["namespace"] == {"value": "team-a", "source": "env MARU_NAMESPACE"}
+    assert shown["chunk_tokens"] == {"value": 256, "source": "default"}
+    assert shown["mock.fail_rate"] == {"value": 0.0, "source": "default"}
+    code, out, _ = run_cli(capsys, "config", "show", "--config", str(path))
+    assert "env MARU_NAMESPACE" in out and "capacity" in out
+
+
+def test_config_check_accepts_a_good_file(capsys, tmp_path) -> None:
+    path = tmp_path / "maru.toml"
+    path.write_text('backend = "mock"\ncapacity = "64MiB"\n')
+    code, out, _ = run_cli(capsys, "config", "check", str(path), "--json")
+    assert code == 0
+    assert json.loads(out) == {"file": str(path), "valid": True, "backend": "mock"}
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("capacity: 1G\ncolour: blue\n", "colour = 'blue' (from file {path}): unknown key"),
+        (
+            "mock:\n  fail_rat: 0.5\n",
+            "mock.fail_rat = 0.5 (from file {path}): unknown key; allowed: name, fail_rate",
+        ),
+        ("capacity: 12 parsecs\n", "capacity = '12 parsecs' (from file {path}): not a size"),
+        ("capacity: -1G\n", "capacity = '-1G' (from file {path}): must be greater than zero"),
+        (
+            "backend: nosuch\n",
+            "backend = 'nosuch' (from file {path}): no backend named 'nosuch' is "
+            "installed; allowed: dirstore, mock",
+        ),
+        (
+            "chunk_tokens: [256]\n",
+            "chunk_tokens = [256] (from file {path}): Input should be a valid integer",
+        ),
+        (
+            "redis:\n  url: redis://localhost\n",
+            "redis = {{'url': 'redis://localhost'}} (from file "
+            "{path}): unknown key; allowed: backend",
+        ),
+    ],
+)
+def test_bad_configs_exit_2_with_one_clear_paragraph(capsys, tmp_path, body, expected) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(body)
+    code, out, err = run_cli(capsys, "config", "check", str(path))
+    assert code == 2
+    assert expected.format(path=path) in err
+    assert err.startswith("maru: error: invalid maru config: ")
+    assert err.count("\n") == 1
+    code, out, _ = run_cli(capsys, "config", "check", str(path), "--json")
+    assert code == 2
+    assert expected.format(path=path) in json.loads(out)["error"]["message"]
+
+
+def test_a_bad_environment_exits_2_from_config_show(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("MARU_CAPACITY", "zero")
+    code, _, err = run_cli(capsys, "config", "show")
+    assert code == 2
+    assert "capacity = 'zero' (from env MARU_CAPACITY): not a size" in err
+
+
+def test_the_installed_command_never_prints_a_traceback(tmp_path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    for argv in (["config", "check", str(path)], ["info", "--bogus"], ["nosuch"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "maru", *argv], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2, argv
+        assert "Traceback" not in done.stderr
+        assert "error" in done.stderr
