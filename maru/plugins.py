@@ -19,7 +19,7 @@ import pluggy
 from maru import hookspecs
 from maru.errors import ConfigError, PluginError
 
-BUILTIN_PLUGINS = ("maru.backends.mock",)
+BUILTIN_PLUGINS = ("maru.backends.mock", "maru.backends.shm")
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 
 

@@ -1,0 +1,88 @@
+"""POSIX shared memory: one pool per node that every process on it attaches to.
+
+The embedded default. The pool is a shared memory object (`/dev/shm/maru-NAME`)
+that outlives the processes using it until `maru pool destroy`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BeforeValidator, Field
+from pydantic_core import PydanticCustomError
+
+from maru.backends._pool import PoolBackend, RegionSpec
+from maru.config import Options
+from maru.errors import BackendError
+from maru.hookspecs import hookimpl
+
+SHM_DIR = Path("/dev/shm")
+POOL_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$")
+
+
+def _pool_name(value: Any) -> str:
+    if not isinstance(value, str) or not POOL_NAME_RE.match(value):
+        raise PydanticCustomError(
+            "pool_name", "not a pool name; allowed: 1 to 100 letters, digits and '._-', "
+            "not starting with '.' or '-'"
+        )
+    return value
+
+
+def _file_mode(value: Any) -> int:
+    if isinstance(value, str) and re.fullmatch(r"0?o?[0-7]{3,4}", value):
+        value = int(value.replace("o", ""), 8)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o777:
+        raise PydanticCustomError(
+            "file_mode", "not a permission mode; allowed: an octal string such as '0600' or "
+            "'0660', or an integer up to 0o777"
+        )
+    return value
+
+
+PoolName = Annotated[str, BeforeValidator(_pool_name)]
+FileMode = Annotated[int, BeforeValidator(_file_mode)]
+
+
+class ShmOptions(Options):
+    """The `shm:` config section."""
+
+    name: PoolName = Field("maru", description="pool name; processes with one name share it")
+    mode: FileMode = Field(0o600, description="permissions, e.g. '0660' for a serving group")
+    prefault: bool = Field(False, description="touch every page at open instead of on use")
+
+
+def shm_path(name: str) -> Path:
+    """The shared memory object of pool `name`."""
+    return SHM_DIR / f"maru-{name}"
+
+
+class ShmBackend(PoolBackend):
+    """A crash-safe pool in POSIX shared memory, shared by every process on the node."""
+
+    name: ClassVar[str] = "shm"
+    Options = ShmOptions
+    description: ClassVar[str] = "POSIX shared memory, shared by the processes of one node"
+
+    def region_spec(self) -> RegionSpec:
+        if not SHM_DIR.is_dir():
+            raise BackendError(f"{SHM_DIR} is missing: the shm backend needs Linux shared memory")
+        path = shm_path(self.options.name)
+        return RegionSpec(path=str(path), capacity=self.config.capacity,
+                          label=f"shm pool {self.options.name!r} ({path})",
+                          mode=self.options.mode, prefault=self.options.prefault)
+
+    def destroy(self) -> None:
+        """Remove the pool's shared memory object; open mappings keep working."""
+        try:
+            os.unlink(shm_path(self.options.name))
+        except FileNotFoundError:
+            pass
+
+
+@hookimpl
+def maru_backends() -> list[type[PoolBackend]]:
+    return [ShmBackend]

@@ -1,0 +1,190 @@
+"""Several processes on one shm pool: corruption, crashes, persistence and races."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import maru
+from maru.testing import payload
+from tests.test_shm_backend import pool_names  # noqa: F401  (fixture)
+
+MIB = 2**20
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def open_pool(name: str, capacity: int = 8 * MIB) -> maru.Backend:
+    return maru.open_store(backend="shm", capacity=capacity, shm={"name": name})
+
+
+def sized_key(i: int, size: int) -> str:
+    return f"obj{i}-{size}"
+
+
+def churn(name: str, seed: int, seconds: float, results) -> None:
+    """Write, read and delete random objects; report every read that was wrong."""
+    rng = np.random.default_rng(seed)
+    sizes = [4096, 100_000, 300_000, 1_000_000]
+    reads = wrong = 0
+    with open_pool(name) as store:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            i, size = int(rng.integers(60)), sizes[int(rng.integers(len(sizes)))]
+            key = sized_key(i, size)
+            action = rng.random()
+            if action < 0.45:
+                store.put(key, payload(key, size))
+            elif action < 0.95:
+                out = bytearray(size)
+                if store.get_into(key, out) is not None:
+                    reads += 1
+                    wrong += bytes(out) != payload(key, size)
+            else:
+                store.delete(key)
+    results.put((reads, wrong))
+
+
+def test_concurrent_writers_and_readers_never_see_a_wrong_object(pool_names) -> None:  # noqa: F811
+    name = pool_names()
+    results = SPAWN.Queue()
+    workers = [SPAWN.Process(target=churn, args=(name, seed, 4.0, results)) for seed in range(4)]
+    for worker in workers:
+        worker.start()
+    outcomes = [results.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+    assert sum(reads for reads, _ in outcomes) > 100
+    assert [wrong for _, wrong in outcomes] == [0, 0, 0, 0]
+    with open_pool(name) as store:
+        stats = store.stats()
+        assert stats.evictions > 0
+        assert stats.used <= stats.capacity
+        assert store.pool.audit() == []
+
+
+def reserve_and_hang(name: str, ready) -> None:
+    store = open_pool(name)
+    with store.reserve(b"doomed", 5 * MIB) as buffer:
+        buffer[: MIB] = b"x" * MIB
+        ready.set()
+        time.sleep(600)
+
+
+def test_space_of_a_writer_killed_mid_reservation_comes_back(pool_names) -> None:  # noqa: F811
+    name = pool_names()
+    ready = SPAWN.Event()
+    writer = SPAWN.Process(target=reserve_and_hang, args=(name, ready))
+    writer.start()
+    assert ready.wait(60)
+    with open_pool(name) as store:
+        assert store.contains([b"doomed"]) == [False]
+        assert store.put(b"doomed", b"other") is False, "a live writer's key is taken"
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join()
+        for i in range(8):
+            assert store.put(f"after{i}", payload(f"after{i}", MIB)), i
+        assert store.stats().reclaimed == 1
+        assert store.put(b"doomed", b"now mine")
+        assert store.get(b"doomed") == b"now mine"
+        assert store.pool.audit() == []
+
+
+def die_holding_the_lock(name: str, ready) -> None:
+    store = open_pool(name)
+    with store.pool.locked():
+        store.pool._add(maru.backends._pool.OBJECTS, 1000)
+        ready.set()
+        time.sleep(600)
+
+
+def call_with_deadline(function, seconds: float):
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(function()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert result, f"{function} did not return within {seconds} s: the pool hangs"
+    return result[0]
+
+
+def test_a_process_killed_holding_the_lock_does_not_hang_the_others(pool_names) -> None:  # noqa: F811
+    name = pool_names()
+    with open_pool(name) as store:
+        store.put(b"kept", b"value")
+        ready = SPAWN.Event()
+        holder = SPAWN.Process(target=die_holding_the_lock, args=(name, ready))
+        holder.start()
+        assert ready.wait(60)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join()
+        stats = call_with_deadline(store.stats, 30)
+        assert stats.objects == 1, "the half-made change was rolled back"
+        assert store.get(b"kept") == b"value"
+        assert store.pool.info()["recoveries"] == 1
+        assert store.pool.audit() == []
+
+
+def write_and_exit(name: str) -> None:
+    with open_pool(name) as store:
+        store.put(b"persistent", payload("persistent", 3 * MIB))
+
+
+def test_a_pool_outlives_the_process_that_wrote_it(pool_names) -> None:  # noqa: F811
+    name = pool_names()
+    writer = SPAWN.Process(target=write_and_exit, args=(name,))
+    writer.start()
+    writer.join(60)
+    assert writer.exitcode == 0
+    with open_pool(name) as store:
+        assert store.get(b"persistent") == payload("persistent", 3 * MIB)
+
+
+def open_and_put(name: str, index: int, barrier, results) -> None:
+    barrier.wait()
+    with open_pool(name) as store:
+        store.put(f"from{index}", b"hello")
+        barrier.wait()
+        results.put((store.pool.creation_id, store.contains([f"from{i}" for i in range(4)])))
+        barrier.wait()
+
+
+def test_racing_creators_end_up_with_one_pool(pool_names) -> None:  # noqa: F811
+    name = pool_names()
+    barrier, results = SPAWN.Barrier(4), SPAWN.Queue()
+    racers = [SPAWN.Process(target=open_and_put, args=(name, i, barrier, results))
+              for i in range(4)]
+    for racer in racers:
+        racer.start()
+    outcomes = [results.get(timeout=120) for _ in racers]
+    for racer in racers:
+        racer.join(60)
+    assert len({creation_id for creation_id, _ in outcomes}) == 1
+    assert all(found == [True] * 4 for _, found in outcomes)
+
+
+class RecycleDuringCopy:
+    """Stands in for the pool's data view: recycles the object while it is being copied."""
+
+    def __init__(self, store: maru.Backend) -> None:
+        self.store, self.real = store, store.pool._data_view
+
+    def __getitem__(self, item: slice) -> memoryview:
+        if item.stop - item.start > maru.backends._pool.SMALL_COPY:
+            self.store.pool._data_view = self.real
+            self.store.delete(b"big")
+            for i in range(12):
+                self.store.put(f"filler{i}", b"\xff" * MIB)
+        return self.real[item]
+
+
+def test_a_large_object_recycled_during_the_copy_is_a_miss(pool_names) -> None:  # noqa: F811
+    with open_pool(pool_names()) as store:
+        store.put(b"big", payload("big", 2 * MIB))
+        store.pool._data_view = RecycleDuringCopy(store)
+        assert store.get(b"big") is None
+        assert store.get(b"filler11") == b"\xff" * MIB
+        assert store.stats().misses == 1
