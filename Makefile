@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.maru-installed
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: test demo lint venv clean
+.PHONY: test demo bench lint venv clean
 
 venv: $(STAMP)
 
@@ -29,3 +29,6 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+bench: $(STAMP)
+	$(BIN)/maru bench --backend shm --backend cxl --backend mock

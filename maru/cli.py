@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,13 +42,32 @@ def cmd_info(args: argparse.Namespace) -> Result:
             for p in items.values()
         ]
 
+    try:
+        config = resolve_config(args.config).config
+        backend = manager.backend(config.backend)
+        configured = {
+            "backend": config.backend,
+            "detail": backend.describe(config.backend_options()),
+        }
+    except ConfigError as exc:
+        configured = {"error": str(exc)}
     data = {
         "version": maru_version(),
+        "configured": configured,
         "plugins": [vars(p) for p in manager.plugins()],
         "backends": provided(manager.backends),
         "layout_adapters": provided(manager.layout_adapters),
     }
-    lines = [f"maru {data['version']}", "plugins:"]
+    lines = [
+        f"maru {data['version']}",
+        "configured backend: "
+        + (
+            f"{configured['backend']}: {configured['detail']}"
+            if "backend" in configured
+            else configured["error"]
+        ),
+        "plugins:",
+    ]
     lines += [f"  {p['name']:<24} {p['distribution']} {p['version']}" for p in data["plugins"]]
     for title in ("backends", "layout_adapters"):
         lines.append(f"{title.replace('_', ' ')}:")
@@ -107,6 +127,76 @@ def cmd_demo(args: argparse.Namespace) -> Result:
     return Result(report, format_report(report), EXIT_OK if report["identical"] else EXIT_FAILURE)
 
 
+POOL_ACTIONS = ("create", "stats", "clear", "destroy")
+
+
+def _open_pool(config_file: str | None, action: str) -> Any:
+    from maru.backends._pool import PoolBackend
+    from maru.plugins import get_plugin_manager
+
+    config = resolve_config(config_file).config
+    backend = get_plugin_manager().backend(config.backend)
+    if not issubclass(backend, PoolBackend):
+        raise ConfigError(
+            f"backend = {config.backend!r}: maru pool manages mapped pools; allowed: shm, cxl"
+        )
+    return backend(config, create=action == "create")
+
+
+def _pool_report(store: Any) -> dict[str, Any]:
+    return store.stats().as_dict() | store.pool.info()
+
+
+def _format_pool(report: dict[str, Any]) -> str:
+    return "\n".join(f"{key:<22} {value}" for key, value in report.items())
+
+
+def cmd_pool(args: argparse.Namespace) -> Result:
+    """Create, inspect, clear or destroy the configured shm/cxl pool."""
+    with _open_pool(args.config, args.action) as store:
+        if args.action == "destroy":
+            label = store.pool.label
+            store.destroy()
+            return Result({"destroyed": label}, f"destroyed {label}")
+        if args.action == "clear":
+            removed = store.pool.clear()
+            return Result(
+                {"removed": removed}, f"removed {removed} objects from {store.pool.label}"
+            )
+        if args.action == "stats" and args.watch:
+            return _watch(store, args)
+        report = _pool_report(store)
+        return Result(report, _format_pool(report))
+
+
+def _watch(store: Any, args: argparse.Namespace) -> Result:
+    shown = 0
+    while args.count is None or shown < args.count:
+        if shown:
+            time.sleep(args.watch)
+        report = _pool_report(store) | {"time": time.time()}
+        print(
+            json.dumps(report)
+            if args.json
+            else f"{time.strftime('%H:%M:%S')} "
+            + " ".join(
+                f"{key}={report[key]}"
+                for key in ("used", "objects", "hits", "misses", "evictions", "reclaimed")
+            ),
+            flush=True,
+        )
+        shown += 1
+    return Result(None, "")
+
+
+def cmd_bench(args: argparse.Namespace) -> Result:
+    """Throughput and latency of a backend, as ratios to memcpy."""
+    from maru.bench import format_report, run_bench
+
+    reports = [run_bench(backend) for backend in args.backend]
+    return Result(reports, "\n\n".join(format_report(report) for report in reports))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every maru command."""
     common = argparse.ArgumentParser(add_help=False)
@@ -115,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     info = commands.add_parser("info", parents=[common], help="plugins, backends, adapters")
+    info.add_argument("--config", metavar="FILE", help="config file (else MARU_CONFIG)")
     info.set_defaults(run=cmd_info)
 
     config = commands.add_parser("config", help="show or check configuration")
@@ -129,6 +220,22 @@ def build_parser() -> argparse.ArgumentParser:
     check = config_commands.add_parser("check", parents=[common], help="validate a file")
     check.add_argument("file", metavar="FILE")
     check.set_defaults(run=cmd_config_check)
+
+    pool = commands.add_parser("pool", parents=[common], help="manage the shm/cxl pool")
+    pool.add_argument("action", choices=POOL_ACTIONS)
+    pool.add_argument("--config", metavar="FILE", help="config file (else MARU_CONFIG)")
+    pool.add_argument("--watch", type=float, metavar="SECONDS", help="stats: refresh every N s")
+    pool.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N")
+    pool.set_defaults(run=cmd_pool)
+
+    bench = commands.add_parser("bench", parents=[common], help="benchmark backends")
+    bench.add_argument(
+        "--backend",
+        action="append",
+        choices=("shm", "cxl", "mock"),
+        help="backend to measure (repeatable; default shm)",
+    )
+    bench.set_defaults(run=cmd_bench)
 
     demo = commands.add_parser("demo", parents=[common], help="share a prompt prefix's KV")
     demo.add_argument("--config", metavar="FILE", help="config file (else MARU_CONFIG)")
@@ -147,6 +254,8 @@ def _failure(args: argparse.Namespace, exc: BaseException, exit_code: int) -> in
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one maru command; the process exit code."""
     args = build_parser().parse_args(argv)
+    if args.command == "bench" and not args.backend:
+        args.backend = ["shm"]
     try:
         result = args.run(args)
     except (ConfigError, PluginError) as exc:
@@ -157,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as exc:
         return _failure(args, exc, EXIT_FAILURE)
-    print(json.dumps(result.data, indent=2) if args.json else result.text)
+    if result.data is not None:
+        print(json.dumps(result.data, indent=2) if args.json else result.text)
     return result.exit_code
 
 

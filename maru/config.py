@@ -114,7 +114,7 @@ class MaruConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: str = Field("mock", description="name of the storage backend")
+    backend: str = Field("shm", description="name of the storage backend")
     namespace: str = Field(
         "default",
         pattern=r"^[A-Za-z0-9._:-]{1,64}$",
@@ -141,6 +141,10 @@ class MaruConfig(BaseModel):
             )
         return name
 
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        """Pickle as data: the class with backend sections is made per process."""
+        return _config_from_dict, (self.model_dump(),)
+
     def backend_options(self, name: str | None = None) -> BaseModel:
         """The validated options section of backend `name` (default: the selected one)."""
         name = name or self.backend
@@ -158,6 +162,10 @@ def _config_model(backends: tuple[tuple[str, type[BaseModel]], ...]) -> type[Mar
     model = create_model("MaruConfig", __base__=MaruConfig, **sections)
     model.installed_backends = tuple(name for name, _ in backends)
     return model
+
+
+def _config_from_dict(data: dict[str, Any]) -> MaruConfig:
+    return config_model().model_validate(data)
 
 
 def config_model() -> type[MaruConfig]:

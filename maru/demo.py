@@ -1,13 +1,15 @@
 """`maru demo`: two serving instances share the KV cache of a common prompt prefix.
 
-Instance A "prefills" a prompt and stores one object per chunk; instance B gets
-a prompt with the same prefix, finds the longest stored prefix in one batched
-lookup, loads those chunks and only computes the rest.
+Instance A, a process of its own, "prefills" a prompt and stores one object per
+chunk, then exits; instance B gets a prompt with the same prefix, finds the
+longest stored prefix in one batched lookup, loads those chunks and only
+computes the rest.
 """
 
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import time
 from typing import Any
 
@@ -48,35 +50,46 @@ def prefill_and_store(store: maru.Backend, tokens: list[int], namespace: str) ->
 
 
 def load_prefix(store: maru.Backend, tokens: list[int], namespace: str) -> dict[str, Any]:
-    """Instance B: load the longest stored prefix and check every byte."""
+    """Instance B: load the longest stored prefix, then check every byte."""
     keys = chunk_keys(tokens, namespace)
     started = time.perf_counter()
     found = store.contains(keys)
     hit = found.index(False) if False in found else len(found)
-    page = np.empty(CHUNK_TOKENS * PAGE_BYTES_PER_TOKEN, dtype=np.uint8)
-    identical = True
-    for key in keys[:hit]:
-        if store.get_into(key, page) is None:
-            hit = keys.index(key)
-            break
-        identical &= bool(np.array_equal(page, fake_kv(key)))
+    pages = [np.empty(CHUNK_TOKENS * PAGE_BYTES_PER_TOKEN, dtype=np.uint8) for _ in range(hit)]
+    loaded = [store.get_into(key, page) is not None for key, page in zip(keys, pages, strict=False)]
+    hit = loaded.index(False) if False in loaded else hit
+    seconds = time.perf_counter() - started
+    identical = all(
+        np.array_equal(page, fake_kv(key)) for key, page in zip(keys, pages[:hit], strict=False)
+    )
     return {
         "prompt_tokens": len(tokens),
         "hit_tokens": hit * CHUNK_TOKENS,
-        "load_seconds": time.perf_counter() - started,
+        "load_seconds": seconds,
         "identical": identical,
     }
 
 
-def run_demo(config: maru.MaruConfig) -> dict[str, Any]:
-    """Run the demo on the configured backend; its report."""
+def _prompts() -> tuple[list[int], list[int]]:
     rng = np.random.default_rng(0)
     system_prompt = rng.integers(0, 32000, 8 * CHUNK_TOKENS).tolist()
-    prompt_a = system_prompt + rng.integers(0, 32000, 300).tolist()
-    prompt_b = system_prompt + rng.integers(0, 32000, 500).tolist()
-    with maru.open_store(config) as instance_a, maru.open_store(config) as instance_b:
-        stored = prefill_and_store(instance_a, prompt_a, config.namespace)
-        report = load_prefix(instance_b, prompt_b, config.namespace)
+    return (
+        system_prompt + rng.integers(0, 32000, 300).tolist(),
+        system_prompt + rng.integers(0, 32000, 500).tolist(),
+    )
+
+
+def _instance_a(config: maru.MaruConfig) -> int:
+    with maru.open_store(config) as store:
+        return prefill_and_store(store, _prompts()[0], config.namespace)
+
+
+def run_demo(config: maru.MaruConfig) -> dict[str, Any]:
+    """Instance A runs in a process of its own, instance B in this one; B's report."""
+    with multiprocessing.get_context("spawn").Pool(1) as instance_a:
+        stored = instance_a.apply(_instance_a, (config,))
+    with maru.open_store(config) as instance_b:
+        report = load_prefix(instance_b, _prompts()[1], config.namespace)
         report.update(
             backend=config.backend, chunks_stored=stored, stats=instance_b.stats().as_dict()
         )

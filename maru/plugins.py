@@ -19,7 +19,7 @@ import pluggy
 from maru import hookspecs
 from maru.errors import ConfigError, PluginError
 
-BUILTIN_PLUGINS = ("maru.backends.mock", "maru.backends.shm")
+BUILTIN_PLUGINS = ("maru.backends.mock", "maru.backends.shm", "maru.backends.cxl")
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 
 

@@ -46,7 +46,7 @@ def test_config_show_gives_each_value_and_its_source(capsys, tmp_path, monkeypat
     assert shown["capacity"] == {"value": 2**30, "source": f"file {path}"}
     assert shown["namespace"] == {"value": "team-a", "source": "env MARU_NAMESPACE"}
     assert shown["chunk_tokens"] == {"value": 256, "source": "default"}
-    assert shown["mock.fail_rate"] == {"value": 0.0, "source": "default"}
+    assert shown["shm.name"] == {"value": "default", "source": "default"}
     code, out, _ = run_cli(capsys, "config", "show", "--config", str(path))
     assert "env MARU_NAMESPACE" in out and "capacity" in out
 
@@ -72,7 +72,7 @@ def test_config_check_accepts_a_good_file(capsys, tmp_path) -> None:
         (
             "backend: nosuch\n",
             "backend = 'nosuch' (from file {path}): no backend named 'nosuch' is "
-            "installed; allowed: dirstore, mock",
+            "installed; allowed: cxl, dirstore, mock, shm",
         ),
         (
             "chunk_tokens: [256]\n",

@@ -61,12 +61,12 @@ def test_bad_sizes_are_rejected_with_field_value_and_allowed(value: object, prob
 def test_defaults() -> None:
     config = maru.load_config(env={})
     assert (config.backend, config.namespace, config.capacity, config.chunk_tokens) == (
-        "mock",
+        "shm",
         "default",
         4 * GIB,
         256,
     )
-    assert config.backend_options() == maru.load_config(mock={}).mock
+    assert config.backend_options() == maru.load_config(shm={}).shm
 
 
 def write(path, data: dict) -> str:
@@ -160,7 +160,7 @@ def test_unusable_files_are_config_errors_naming_the_file(tmp_path, name, body, 
         (
             {"backend": "nosuch"},
             "backend = 'nosuch' (from argument): no backend named 'nosuch' is "
-            "installed; allowed: dirstore, mock",
+            "installed; allowed: cxl, dirstore, mock, shm",
         ),
         (
             {"redis": {"url": "redis://x"}},
@@ -209,6 +209,15 @@ def test_open_store_with_an_uninstalled_backend_lists_the_installed_ones() -> No
     with pytest.raises(
         maru.ConfigError,
         match=r"'nosuch' is installed; installed backends: "
-        r"dirstore, mock",
+        r"cxl, dirstore, mock, shm",
     ):
         get_plugin_manager().backend("nosuch")
+
+
+def test_a_config_travels_to_other_processes_by_pickle() -> None:
+    import pickle
+
+    config = maru.load_config(capacity="1GiB", shm={"name": "elsewhere"})
+    copy = pickle.loads(pickle.dumps(config))
+    assert copy == config
+    assert copy.shm.name == "elsewhere"

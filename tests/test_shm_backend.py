@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 
+import maru
+from maru.backends import _pool
 from maru.backends.shm import shm_path
 from maru.testing import BackendContract
 from tests.conftest import unique_name
+
+MIB = 2**20
 
 
 @pytest.fixture
@@ -26,5 +33,99 @@ def pool_names():
 class TestShmContract(BackendContract):
     @pytest.fixture
     def make_store(self, open_stores, pool_names):
-        return lambda capacity: open_stores(backend="shm", capacity=capacity,
-                                            shm={"name": pool_names()})
+        return lambda capacity: open_stores(
+            backend="shm", capacity=capacity, shm={"name": pool_names()}
+        )
+
+
+def open_shm(name: str, capacity: str = "8MiB", **options) -> maru.Backend:
+    return maru.open_store(backend="shm", capacity=capacity, shm={"name": name, **options})
+
+
+def test_a_pool_of_another_capacity_is_refused(pool_names) -> None:
+    name = pool_names()
+    with open_shm(name, "8MiB"), pytest.raises(maru.ConfigError) as caught:
+        open_shm(name, "16MiB")
+    assert "already exists with capacity 8388608" in str(caught.value)
+    with open_shm(name, "8MiB") as again:
+        assert again.stats().capacity == 8 * MIB
+
+
+def test_a_region_that_is_not_a_pool_is_refused(pool_names) -> None:
+    name = pool_names()
+    shm_path(name).write_bytes(b"not a pool" * 10000)
+    with pytest.raises(maru.BackendError, match="is not a maru pool"):
+        open_shm(name)
+
+
+def test_another_format_version_is_refused_not_reinterpreted(pool_names) -> None:
+    name = pool_names()
+    with open_shm(name) as store:
+        store.put(b"k", b"v")
+    with open(shm_path(name), "r+b") as region:
+        region.seek(8 * _pool.VERSION)
+        region.write((_pool.FORMAT_VERSION + 1).to_bytes(8, "little"))
+    with pytest.raises(maru.BackendError, match="format version 2, this maru reads version 1"):
+        open_shm(name)
+
+
+@pytest.mark.parametrize("bad", ["../x", "/", "", "a/b", ".hidden", "-x", "x" * 101, 7])
+def test_pool_names_are_validated(bad) -> None:
+    with pytest.raises(maru.ConfigError, match=r"shm\.name = .*not a pool name"):
+        maru.load_config(backend="shm", shm={"name": bad})
+
+
+@pytest.mark.parametrize(("mode", "expected"), [(None, 0o600), ("0660", 0o660), (0o640, 0o640)])
+def test_permissions_default_to_owner_only(pool_names, mode, expected) -> None:
+    name = pool_names()
+    options = {} if mode is None else {"mode": mode}
+    with open_shm(name, **options):
+        assert stat.S_IMODE(os.stat(shm_path(name)).st_mode) == expected
+
+
+def test_a_bad_mode_is_a_config_error() -> None:
+    with pytest.raises(maru.ConfigError, match=r"shm\.mode = '0999'.*not a permission mode"):
+        maru.load_config(backend="shm", shm={"mode": "0999"})
+
+
+def resident_bytes(path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def test_the_pool_maps_capacity_plus_a_small_index_and_touches_nothing(pool_names) -> None:
+    name = pool_names()
+    with open_shm(name, "1GiB") as store:
+        geometry = store.pool.geometry
+        assert os.stat(shm_path(name)).st_size == geometry.total == 2**30 + geometry.overhead
+        assert geometry.overhead < 0.01 * 2**30
+        assert resident_bytes(shm_path(name)) < geometry.overhead + MIB
+        store.put(b"k", bytes(4 * MIB))
+        assert resident_bytes(shm_path(name)) >= 4 * MIB
+
+
+def test_prefault_touches_every_page(pool_names) -> None:
+    name = pool_names()
+    with open_shm(name, "64MiB", prefault=True):
+        assert resident_bytes(shm_path(name)) >= 64 * MIB
+
+
+def test_get_into_a_torch_tensor(pool_names) -> None:
+    import torch
+
+    with open_shm(pool_names()) as store:
+        source = torch.arange(1024, dtype=torch.bfloat16)
+        store.put(b"t", source)
+        target = torch.zeros(1024, dtype=torch.bfloat16)
+        assert store.get_into(b"t", target) == 2048
+        assert torch.equal(source, target)
+
+
+def test_the_pool_survives_every_store_closing(pool_names) -> None:
+    name = pool_names()
+    with open_shm(name) as first, open_shm(name) as second:
+        first.put(b"k", b"v")
+        assert second.get(b"k") == b"v"
+    with open_shm(name) as third:
+        assert third.get(b"k") == b"v"
+        third.destroy()
+    assert not shm_path(name).exists()

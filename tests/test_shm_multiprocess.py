@@ -9,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+
 import maru
 from maru.testing import payload
 from tests.test_shm_backend import pool_names  # noqa: F401  (fixture)
@@ -70,7 +71,7 @@ def test_concurrent_writers_and_readers_never_see_a_wrong_object(pool_names) -> 
 def reserve_and_hang(name: str, ready) -> None:
     store = open_pool(name)
     with store.reserve(b"doomed", 5 * MIB) as buffer:
-        buffer[: MIB] = b"x" * MIB
+        buffer[:MIB] = b"x" * MIB
         ready.set()
         time.sleep(600)
 
@@ -155,8 +156,9 @@ def open_and_put(name: str, index: int, barrier, results) -> None:
 def test_racing_creators_end_up_with_one_pool(pool_names) -> None:  # noqa: F811
     name = pool_names()
     barrier, results = SPAWN.Barrier(4), SPAWN.Queue()
-    racers = [SPAWN.Process(target=open_and_put, args=(name, i, barrier, results))
-              for i in range(4)]
+    racers = [
+        SPAWN.Process(target=open_and_put, args=(name, i, barrier, results)) for i in range(4)
+    ]
     for racer in racers:
         racer.start()
     outcomes = [results.get(timeout=120) for _ in racers]

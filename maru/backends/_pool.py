@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import mmap
 import os
 import secrets
 import threading
+import zlib
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -49,16 +49,38 @@ ENTRY_BYTES = 72
 BYTES_PER_ENTRY = 64 * 1024
 MIN_ENTRIES, MAX_ENTRIES = 4096, 1 << 22
 WRITER_SLOTS = 4096
-SMALL_COPY = 256 * 1024
-"""Objects up to this size are copied under the lock; larger ones optimistically."""
+SMALL_COPY = 1024 * 1024
+"""Objects up to this size are copied under the lock (one critical section, about
+60 us at most); larger ones outside it, checked by generation afterwards."""
 
 FREE, PENDING, COMMITTED = 0, 1, 2
 NONE = -1
 
 # Header words (uint64), after the 8-byte magic.
-(VERSION, READY, CAPACITY, ENTRIES, BUCKETS, DATA_OFFSET, TOTAL, ID0, ID1, DIRTY, CURSOR,
- CURSOR_NEXT, ADDR_HEAD, ADDR_TAIL, FREE_HEAD, USED, OBJECTS, HITS, MISSES, EVICTIONS,
- RECLAIMED, RECOVERIES) = range(1, 23)
+(
+    VERSION,
+    READY,
+    CAPACITY,
+    ENTRIES,
+    BUCKETS,
+    DATA_OFFSET,
+    TOTAL,
+    ID0,
+    ID1,
+    DIRTY,
+    CURSOR,
+    CURSOR_NEXT,
+    ADDR_HEAD,
+    ADDR_TAIL,
+    FREE_HEAD,
+    USED,
+    OBJECTS,
+    HITS,
+    MISSES,
+    EVICTIONS,
+    RECLAIMED,
+    RECOVERIES,
+) = range(1, 23)
 SLOT_TOKENS = 64  # word index where the writer-slot tokens start
 HEADER_BYTES = -(-(SLOT_TOKENS + WRITER_SLOTS) * 8 // PAGE) * PAGE
 NO_LINK = 2**64 - 1
@@ -66,8 +88,13 @@ MUTEX_BYTE = 0
 SLOT_LOCK_BASE = 1
 
 _ENTRY_FIELDS = (  # name, dtype: struct of arrays, each max_entries long
-    ("state", np.int64), ("h0", np.uint64), ("h1", np.uint64), ("offset", np.int64),
-    ("span", np.int64), ("length", np.int64), ("key_len", np.int64), ("gen", np.int64),
+    ("state", np.int64),
+    ("hash", np.uint64),
+    ("offset", np.int64),
+    ("span", np.int64),
+    ("length", np.int64),
+    ("key_len", np.int64),
+    ("gen", np.int64),
     ("writer", np.int64),
 )
 _LINK_FIELDS = ("prev", "next", "chain", "hot")  # int32 each
@@ -93,8 +120,15 @@ class Geometry:
         index_offset = HEADER_BYTES
         bucket_offset = index_offset + entries * (8 * _ENTRY_WORDS + 4 * len(_LINK_FIELDS))
         data_offset = _round_up(bucket_offset + 4 * buckets, align)
-        return cls(capacity, entries, buckets, index_offset, bucket_offset, data_offset,
-                   data_offset + _round_up(capacity, align))
+        return cls(
+            capacity,
+            entries,
+            buckets,
+            index_offset,
+            bucket_offset,
+            data_offset,
+            data_offset + _round_up(capacity, align),
+        )
 
     @property
     def overhead(self) -> int:
@@ -117,8 +151,13 @@ def check_header(region: mmap.mmap, expected: Geometry, label: str) -> None:
             f"{FORMAT_VERSION}; destroy it (maru pool destroy) or use the maru that made it"
         )
     found = [int(words[w]) for w in (CAPACITY, ENTRIES, BUCKETS, DATA_OFFSET, TOTAL)]
-    wanted = [expected.capacity, expected.entries, expected.buckets, expected.data_offset,
-              expected.total]
+    wanted = [
+        expected.capacity,
+        expected.entries,
+        expected.buckets,
+        expected.data_offset,
+        expected.total,
+    ]
     if found != wanted or len(region) < expected.total:
         raise ConfigError(
             f"capacity = {expected.capacity}: {label} already exists with capacity {found[0]} "
@@ -127,10 +166,18 @@ def check_header(region: mmap.mmap, expected: Geometry, label: str) -> None:
         )
 
 
-def key_hash(key: bytes) -> tuple[int, int]:
-    """A 128-bit hash, the same in every process."""
-    digest = hashlib.blake2b(key, digest_size=16).digest()
-    return int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little")
+def key_hash(key: bytes) -> int:
+    """CRC-32 of the key (low bits, which pick the bucket) and its length: the same in
+    every process. It only narrows the search: keys are compared in full before a read,
+    and a rare false positive in `contains` becomes a miss at load time."""
+    return len(key) << 32 | zlib.crc32(key)
+
+
+def key_hashes(keys: list[bytes]) -> np.ndarray:
+    """`key_hash` of many keys, as a uint64 array."""
+    crcs = np.fromiter(map(zlib.crc32, keys), np.uint64, len(keys))
+    lengths = np.fromiter(map(len, keys), np.uint64, len(keys))
+    return lengths << np.uint64(32) | crcs
 
 
 class _Lock:
@@ -184,7 +231,7 @@ class Pool:
             offset += 4 * g.entries
         self.buckets = np.frombuffer(region, np.int32, g.buckets, g.bucket_offset)
         self.data = np.frombuffer(region, np.uint8, g.capacity, g.data_offset)
-        self._data_view = memoryview(region)[g.data_offset:g.data_offset + g.capacity]
+        self._data_view = memoryview(region)[g.data_offset : g.data_offset + g.capacity]
 
     # --- header access -------------------------------------------------------
 
@@ -208,10 +255,16 @@ class Pool:
         """Write a fresh, empty pool (caller holds the file lock; region is zero)."""
         g = self.geometry
         self.region[:8] = MAGIC
-        for word, value in ((VERSION, FORMAT_VERSION), (CAPACITY, g.capacity),
-                            (ENTRIES, g.entries), (BUCKETS, g.buckets),
-                            (DATA_OFFSET, g.data_offset), (TOTAL, g.total),
-                            (ID0, secrets.randbits(64)), (ID1, secrets.randbits(64))):
+        for word, value in (
+            (VERSION, FORMAT_VERSION),
+            (CAPACITY, g.capacity),
+            (ENTRIES, g.entries),
+            (BUCKETS, g.buckets),
+            (DATA_OFFSET, g.data_offset),
+            (TOTAL, g.total),
+            (ID0, secrets.randbits(64)),
+            (ID1, secrets.randbits(64)),
+        ):
             self._set(word, value)
         self._rebuild()
         self._set(READY, 1)
@@ -252,7 +305,7 @@ class Pool:
         self.buckets[:] = NONE
         self.chain[:] = NONE
         for entry in live.tolist():
-            bucket = int(self.h0[entry]) & (g.buckets - 1)
+            bucket = int(self.hash[entry]) & (g.buckets - 1)
             self.chain[entry] = self.buckets[bucket]
             self.buckets[bucket] = entry
         free = np.flatnonzero(self.state == FREE)
@@ -297,21 +350,24 @@ class Pool:
 
     # --- the index -----------------------------------------------------------
 
-    def _find(self, key: bytes, h0: int, h1: int) -> int:
-        entry = int(self.buckets[h0 & (self.geometry.buckets - 1)])
+    def _find(self, key: bytes, hashed: int) -> int:
+        entry = int(self.buckets[hashed & (self.geometry.buckets - 1)])
         while entry != NONE:
-            if (self.h0[entry] == h0 and self.h1[entry] == h1 and self.state[entry] != FREE
-                    and self._key_at(entry) == key):
+            if (
+                self.hash[entry] == hashed
+                and self.state[entry] != FREE
+                and self._key_at(entry) == key
+            ):
                 return entry
             entry = int(self.chain[entry])
         return NONE
 
     def _key_at(self, entry: int) -> bytes:
         start = int(self.offset[entry])
-        return bytes(self._data_view[start:start + int(self.key_len[entry])])
+        return bytes(self._data_view[start : start + int(self.key_len[entry])])
 
     def _unchain(self, entry: int) -> None:
-        bucket = int(self.h0[entry]) & (self.geometry.buckets - 1)
+        bucket = int(self.hash[entry]) & (self.geometry.buckets - 1)
         current = int(self.buckets[bucket])
         if current == entry:
             self.buckets[bucket] = self.chain[entry]
@@ -405,42 +461,73 @@ class Pool:
 
     def reserve(self, key: bytes, nbytes: int) -> tuple[tuple[int, int], memoryview] | None:
         """Reserve space for `key`; (handle, writable view), or None if taken or no room."""
+        span, hashed, writer = self._prepare(key, nbytes)
+        with self.locked():
+            entry = self._claim(key, hashed, span, nbytes, writer)
+            if entry == NONE:
+                return None
+            generation = int(self.gen[entry])
+        start = int(self.offset[entry]) + len(key)
+        return (entry, generation), self._data_view[start : start + nbytes]
+
+    def put_small(self, key: bytes, data: memoryview) -> bool:
+        """Store a small object in one critical section (cheaper than reserve + commit)."""
+        span, hashed, writer = self._prepare(key, data.nbytes)
+        with self.locked():
+            entry = self._claim(key, hashed, span, data.nbytes, writer)
+            if entry == NONE:
+                return False
+            start = int(self.offset[entry]) + len(key)
+            self._data_view[start : start + data.nbytes] = data
+            self.state[entry] = COMMITTED
+            self._add(OBJECTS, 1)
+            return True
+
+    def _prepare(self, key: bytes, nbytes: int) -> tuple[int, int, int]:
         span = _round_up(len(key) + nbytes, ALIGN) or ALIGN
         if span > self.geometry.capacity:
             raise ObjectTooLargeError(
                 f"object of {nbytes} bytes is larger than the pool "
                 f"({self.geometry.capacity} bytes): {self.label}"
             )
-        h0, h1 = key_hash(key)
         slot, token = self._writer_slot()
-        with self.locked():
-            existing = self._find(key, h0, h1)
-            if existing != NONE:
-                if self.state[existing] == COMMITTED or self._writer_alive(
-                        int(self.writer[existing])):
-                    return None
-                self._evict(existing)
-            if self._link(FREE_HEAD) == NONE and not self._evict_one():
-                return None
-            placed = self._allocate(span)
-            if placed is None:
-                return None
-            offset, before, after = placed
-            entry = self._link(FREE_HEAD)
-            self._set_link(FREE_HEAD, int(self.chain[entry]))
-            self._place(entry, key, (h0, h1), offset, span, nbytes, (slot << 48) | (
-                token & (2**48 - 1)), before, after)
-            generation = int(self.gen[entry])
-        start = offset + len(key)
-        return (entry, generation), self._data_view[start:start + nbytes]
+        return span, key_hash(key), slot << 48 | token & (2**48 - 1)
 
-    def _place(self, entry: int, key: bytes, hashes: tuple[int, int], offset: int, span: int,
-               nbytes: int, writer: int, before: int, after: int) -> None:
-        self.h0[entry], self.h1[entry] = hashes
+    def _claim(self, key: bytes, hashed: int, span: int, nbytes: int, writer: int) -> int:
+        """A new pending entry for `key` with room for it, or NONE (caller holds the lock)."""
+        existing = self._find(key, hashed)
+        if existing != NONE:
+            if self.state[existing] == COMMITTED or self._writer_alive(int(self.writer[existing])):
+                return NONE
+            self._evict(existing)
+        if self._link(FREE_HEAD) == NONE and not self._evict_one():
+            return NONE
+        placed = self._allocate(span)
+        if placed is None:
+            return NONE
+        offset, before, after = placed
+        entry = self._link(FREE_HEAD)
+        self._set_link(FREE_HEAD, int(self.chain[entry]))
+        self._place(entry, key, hashed, offset, span, nbytes, writer, before, after)
+        return entry
+
+    def _place(
+        self,
+        entry: int,
+        key: bytes,
+        hashed: int,
+        offset: int,
+        span: int,
+        nbytes: int,
+        writer: int,
+        before: int,
+        after: int,
+    ) -> None:
+        self.hash[entry] = hashed
         self.offset[entry], self.span[entry] = offset, span
         self.length[entry], self.key_len[entry] = nbytes, len(key)
         self.writer[entry], self.hot[entry] = writer, 0
-        self._data_view[offset:offset + len(key)] = key
+        self._data_view[offset : offset + len(key)] = key
         self.prev[entry], self.next[entry] = before, after
         if before == NONE:
             self._set_link(ADDR_HEAD, entry)
@@ -450,7 +537,7 @@ class Pool:
             self._set_link(ADDR_TAIL, entry)
         else:
             self.prev[after] = entry
-        bucket = hashes[0] & (self.geometry.buckets - 1)
+        bucket = hashed & (self.geometry.buckets - 1)
         self.chain[entry] = self.buckets[bucket]
         self.buckets[bucket] = entry
         self.state[entry] = PENDING
@@ -478,9 +565,9 @@ class Pool:
 
     def read(self, key: bytes, out_for: Callable[[int], memoryview]) -> memoryview | None:
         """Copy the object into `out_for(size)`; the filled view, or None on a miss."""
-        h0, h1 = key_hash(key)
+        hashed = key_hash(key)
         with self.locked():
-            entry = self._find(key, h0, h1)
+            entry = self._find(key, hashed)
             if entry == NONE or self.state[entry] != COMMITTED:
                 self._add(MISSES, 1)
                 return None
@@ -489,10 +576,10 @@ class Pool:
             size, generation = int(self.length[entry]), int(self.gen[entry])
             out = out_for(size)[:size]
             if size <= SMALL_COPY:
-                out[:] = self._data_view[start:start + size]
+                out[:] = self._data_view[start : start + size]
                 self._add(HITS, 1)
                 return out
-        out[:] = self._data_view[start:start + size]
+        out[:] = self._data_view[start : start + size]
         with self.locked():
             if self.gen[entry] != generation:
                 self._add(MISSES, 1)
@@ -504,17 +591,15 @@ class Pool:
         """One answer per key, in one pass over the index."""
         if not keys:
             return []
-        digests = b"".join(hashlib.blake2b(key, digest_size=16).digest() for key in keys)
-        hashes = np.frombuffer(digests, np.uint64).reshape(-1, 2)
+        hashes = key_hashes(keys)
         mask = np.uint64(self.geometry.buckets - 1)
         with self.locked():
-            current = self.buckets[(hashes[:, 0] & mask).astype(np.int64)].astype(np.int64)
+            current = self.buckets[(hashes & mask).astype(np.int64)].astype(np.int64)
             found = np.zeros(len(keys), dtype=bool)
             active = current != NONE
             while active.any():
                 at = current[active]
-                match = ((self.h0[at] == hashes[active, 0]) & (self.h1[at] == hashes[active, 1])
-                         & (self.state[at] == COMMITTED))
+                match = (self.hash[at] == hashes[active]) & (self.state[at] == COMMITTED)
                 found[np.flatnonzero(active)[match]] = True
                 self.hot[at[match]] = 1
                 current[active] = np.where(match, NONE, self.chain[at])
@@ -523,9 +608,8 @@ class Pool:
 
     def delete(self, key: bytes) -> bool:
         """Remove a committed object."""
-        h0, h1 = key_hash(key)
         with self.locked():
-            entry = self._find(key, h0, h1)
+            entry = self._find(key, key_hash(key))
             if entry == NONE or self.state[entry] != COMMITTED:
                 return False
             self._free(entry)
@@ -542,9 +626,15 @@ class Pool:
     def stats(self) -> StoreStats:
         """The counters kept in the region."""
         with self.locked():
-            return StoreStats(self.geometry.capacity, self._get(USED), self._get(OBJECTS),
-                              self._get(HITS), self._get(MISSES), self._get(EVICTIONS),
-                              self._get(RECLAIMED))
+            return StoreStats(
+                self.geometry.capacity,
+                self._get(USED),
+                self._get(OBJECTS),
+                self._get(HITS),
+                self._get(MISSES),
+                self._get(EVICTIONS),
+                self._get(RECLAIMED),
+            )
 
     def audit(self) -> list[str]:
         """Problems found by recomputing the derived state from the entry table."""
@@ -556,16 +646,16 @@ class Pool:
             if (self.offset[ordered[1:]] < ends).any():
                 problems.append("objects overlap")
             if self._get(USED) != int(self.span[live].sum()):
-                problems.append(f"used is {self._get(USED)}, entries hold "
-                                f"{int(self.span[live].sum())}")
+                problems.append(
+                    f"used is {self._get(USED)}, entries hold {int(self.span[live].sum())}"
+                )
             committed = int((self.state == COMMITTED).sum())
             if self._get(OBJECTS) != committed:
                 problems.append(f"objects is {self._get(OBJECTS)}, {committed} are committed")
             if self._get(USED) > self.geometry.capacity:
                 problems.append("used exceeds capacity")
             for entry in live.tolist():
-                if self._find(self._key_at(entry), int(self.h0[entry]),
-                              int(self.h1[entry])) != entry:
+                if self._find(self._key_at(entry), int(self.hash[entry])) != entry:
                     problems.append(f"entry {entry} is not reachable through the index")
                     break
             return problems
@@ -573,8 +663,13 @@ class Pool:
     def info(self) -> dict[str, int | str]:
         """Geometry and counters beyond StoreStats, for `maru pool stats`."""
         g = self.geometry
-        return {"label": self.label, "creation_id": self.creation_id, "entries": g.entries,
-                "index_overhead_bytes": g.overhead, "recoveries": self._get(RECOVERIES)}
+        return {
+            "label": self.label,
+            "creation_id": self.creation_id,
+            "entries": g.entries,
+            "index_overhead_bytes": g.overhead,
+            "recoveries": self._get(RECOVERIES),
+        }
 
     def close(self) -> None:
         """Unmap and close (views still exported keep the mapping alive until released)."""
@@ -692,7 +787,7 @@ def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> Pool:
         pool = Pool(fd, region, geometry, spec.label)
         if fresh:
             if device:
-                region[:geometry.data_offset] = bytes(geometry.data_offset)
+                region[: geometry.data_offset] = bytes(geometry.data_offset)
             pool.initialize()
         return pool
     finally:
@@ -704,20 +799,27 @@ def _prefault(pool: Pool) -> None:
     try:
         pool.region.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), g.data_offset, g.capacity)
     except OSError as exc:
-        raise BackendError(f"cannot prefault {pool.label}: {exc.strerror or exc} "
-                           "(needs Linux 5.14 or newer)") from None
+        raise BackendError(
+            f"cannot prefault {pool.label}: {exc.strerror or exc} (needs Linux 5.14 or newer)"
+        ) from None
 
 
 class PoolBackend(Backend):
     """A Backend over a mapped Pool; subclasses say where the mapping comes from."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, *, create: bool = True) -> None:
         super().__init__(config)
-        self.pool = attach(self.region_spec())
+        spec = self.region_spec()
+        self.pool = attach(spec if create else replace(spec, create=False))
 
     @abstractmethod
     def region_spec(self) -> RegionSpec:
         """Where this backend's pool lives."""
+
+    def _put(self, key: bytes, data: memoryview) -> bool:
+        if data.nbytes <= SMALL_COPY:
+            return self.pool.put_small(key, data)
+        return super()._put(key, data)
 
     def _begin(self, key: bytes, nbytes: int) -> tuple[Any, memoryview] | None:
         return self.pool.reserve(key, nbytes)

@@ -105,6 +105,11 @@ class Backend(ABC):
         self._closed = False
         self._close_lock = threading.Lock()
 
+    @classmethod
+    def describe(cls, options: BaseModel) -> str:
+        """What a store with these options is, in a few words (`maru info`)."""
+        return cls.description
+
     def put(self, key: Key, data: Any) -> bool:
         """Store `data` under `key`; False if the key exists or there is no room."""
         return self._put(self._open_key(key), byte_view(data))
@@ -144,7 +149,12 @@ class Backend(ABC):
     def contains(self, keys: Sequence[Key]) -> list[bool]:
         """One answer per key, in order."""
         self._check_open()
-        return self._contains([normalize_key(key) for key in keys])
+        return self._contains(
+            [
+                key if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES else normalize_key(key)
+                for key in keys
+            ]
+        )
 
     def delete(self, key: Key) -> bool:
         """Remove a committed object; False if there was none."""

@@ -6,7 +6,6 @@ that outlives the processes using it until `maru pool destroy`.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
@@ -26,8 +25,9 @@ POOL_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$")
 def _pool_name(value: Any) -> str:
     if not isinstance(value, str) or not POOL_NAME_RE.match(value):
         raise PydanticCustomError(
-            "pool_name", "not a pool name; allowed: 1 to 100 letters, digits and '._-', "
-            "not starting with '.' or '-'"
+            "pool_name",
+            "not a pool name; allowed: 1 to 100 letters, digits and '._-', "
+            "not starting with '.' or '-'",
         )
     return value
 
@@ -37,8 +37,9 @@ def _file_mode(value: Any) -> int:
         value = int(value.replace("o", ""), 8)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o777:
         raise PydanticCustomError(
-            "file_mode", "not a permission mode; allowed: an octal string such as '0600' or "
-            "'0660', or an integer up to 0o777"
+            "file_mode",
+            "not a permission mode; allowed: an octal string such as '0600' or "
+            "'0660', or an integer up to 0o777",
         )
     return value
 
@@ -50,7 +51,7 @@ FileMode = Annotated[int, BeforeValidator(_file_mode)]
 class ShmOptions(Options):
     """The `shm:` config section."""
 
-    name: PoolName = Field("maru", description="pool name; processes with one name share it")
+    name: PoolName = Field("default", description="pool name; processes with one name share it")
     mode: FileMode = Field(0o600, description="permissions, e.g. '0660' for a serving group")
     prefault: bool = Field(False, description="touch every page at open instead of on use")
 
@@ -71,16 +72,22 @@ class ShmBackend(PoolBackend):
         if not SHM_DIR.is_dir():
             raise BackendError(f"{SHM_DIR} is missing: the shm backend needs Linux shared memory")
         path = shm_path(self.options.name)
-        return RegionSpec(path=str(path), capacity=self.config.capacity,
-                          label=f"shm pool {self.options.name!r} ({path})",
-                          mode=self.options.mode, prefault=self.options.prefault)
+        return RegionSpec(
+            path=str(path),
+            capacity=self.config.capacity,
+            label=f"shm pool {self.options.name!r} ({path})",
+            mode=self.options.mode,
+            prefault=self.options.prefault,
+        )
+
+    @classmethod
+    def describe(cls, options: Any) -> str:
+        """Where a configured shm pool lives, for `maru info`."""
+        return f"POSIX shared memory {shm_path(options.name)}"
 
     def destroy(self) -> None:
         """Remove the pool's shared memory object; open mappings keep working."""
-        try:
-            os.unlink(shm_path(self.options.name))
-        except FileNotFoundError:
-            pass
+        shm_path(self.options.name).unlink(missing_ok=True)
 
 
 @hookimpl
