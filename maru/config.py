@@ -122,6 +122,9 @@ class MaruConfig(BaseModel):
     )
     capacity: Size = Field(4 * 2**30, description="bytes the store may hold")
     chunk_tokens: int = Field(256, gt=0, description="tokens per stored object")
+    error_backoff: float = Field(
+        10.0, ge=0, description="seconds the vLLM connector skips the store after an error"
+    )
     config_file: Path | None = Field(None, description="YAML, TOML or JSON file to read")
 
     installed_backends: ClassVar[tuple[str, ...] | None] = None

@@ -19,7 +19,12 @@ import pluggy
 from maru import hookspecs
 from maru.errors import ConfigError, PluginError
 
-BUILTIN_PLUGINS = ("maru.backends.mock", "maru.backends.shm", "maru.backends.cxl")
+BUILTIN_PLUGINS = (
+    "maru.backends.mock",
+    "maru.backends.shm",
+    "maru.backends.cxl",
+    "maru.layouts",
+)
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 
 

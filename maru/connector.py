@@ -1,0 +1,646 @@
+"""MaruKVConnector: vLLM's KV connector over a maru store.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "MaruKVConnector",
+        "kv_connector_module_path": "maru.connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"backend": "shm", "capacity": "8GiB"}}'
+
+The scheduler half looks up, in one batch per request, the longest stored
+prefix of whole chunks and tells vLLM how many tokens it can load; the worker
+half copies chunks between the store and the KV cache blocks. One object per
+chunk (`chunk_tokens`) per tensor-parallel rank holds every layer's pages,
+written into a reservation as layers are saved and committed only when whole.
+Only chunk keys and block ids travel from scheduler to workers.
+
+The store is best-effort: a lookup error is a miss, a chunk that cannot be
+loaded is reported through `get_block_ids_with_load_errors` so vLLM recomputes
+it, and after an error the store is skipped for `error_backoff` seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+import maru
+from maru.config import MaruConfig, load_config
+from maru.errors import ConfigError
+from maru.layouts import LayoutAdapter, LayoutError, kv_tensor, recognise
+from maru.plugins import get_plugin_manager
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError:  # vLLM < 0.11 has no connector stats
+    KVConnectorStats = object  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 64
+HEADER_MAGIC = b"MARUKV01"
+
+
+# --- what travels between the halves -----------------------------------------
+
+
+@dataclass
+class ChunkTransfer:
+    """One chunk to load or save: its key and the blocks it covers."""
+
+    key: bytes
+    block_ids: list[int]
+    first_block: int = 0
+    """Index, in the chunk, of block_ids[0] (a load may skip locally computed blocks)."""
+
+
+@dataclass
+class MaruConnectorMetadata(KVConnectorMetadata):
+    """Scheduler to workers, every step: chunk keys and block ids only."""
+
+    loads: list[ChunkTransfer] = field(default_factory=list)
+    saves: list[ChunkTransfer] = field(default_factory=list)
+
+
+@dataclass
+class MaruHandshake(KVConnectorHandshakeMetadata):
+    """Worker to scheduler, once: the layout that goes into the key namespace."""
+
+    layout_fingerprint: str
+
+
+STAT_FIELDS = ("lookups", "lookup_errors", "hit_tokens", "loads", "loaded_bytes",
+               "load_seconds", "load_errors", "saves", "saved_bytes", "save_seconds",
+               "save_errors")
+
+
+@dataclass
+class MaruConnectorStats(KVConnectorStats):
+    """Counters since the last report; summed across workers and intervals."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in STAT_FIELDS:
+            self.data.setdefault(name, 0)
+
+    def add(self, **counts: float) -> None:
+        """Add to counters."""
+        for name, value in counts.items():
+            self.data[name] += value
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_FIELDS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> MaruConnectorStats:
+        for name in STAT_FIELDS:
+            self.data[name] += other.data.get(name, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: round(value, 4) if isinstance(value, float) else value
+                for name, value in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def take(self) -> MaruConnectorStats | None:
+        """A copy of the counters, which are then reset; None if nothing happened."""
+        if self.is_empty():
+            return None
+        taken = MaruConnectorStats(dict(self.data))
+        self.reset()
+        return taken
+
+
+# --- shared helpers ----------------------------------------------------------
+
+
+class StoreGuard:
+    """Opens the store lazily and keeps it out of the way for a while after errors."""
+
+    def __init__(self, config: MaruConfig) -> None:
+        self.config = config
+        self._store: maru.Backend | None = None
+        self._retry_at = 0.0
+
+    def available(self) -> maru.Backend | None:
+        """The store, or None while backing off after an error."""
+        if time.monotonic() < self._retry_at:
+            return None
+        if self._store is None:
+            try:
+                self._store = maru.open_store(self.config)
+            except Exception as exc:
+                self.failed(exc)
+                return None
+        return self._store
+
+    def failed(self, exc: BaseException) -> None:
+        """Note an error: skip the store for `error_backoff` seconds."""
+        log.warning("maru store error, skipping it for %.0f s: %s: %s",
+                    self.config.error_backoff, type(exc).__name__, exc)
+        self._retry_at = time.monotonic() + self.config.error_backoff
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+def rank_key(key: bytes, rank: int) -> bytes:
+    """The object key of one tensor-parallel rank's share of a chunk."""
+    return b"%s@%d" % (key, rank)
+
+
+def object_header(key: bytes, layout: str, payload_bytes: int) -> bytes:
+    """What a worker checks before trusting an object: magic, key and layout, size."""
+    digest = hashlib.sha256(key + b"|" + layout.encode()).digest()[:24]
+    return (HEADER_MAGIC + digest + payload_bytes.to_bytes(8, "little")).ljust(HEADER_BYTES,
+                                                                              b"\0")
+
+
+# --- scheduler half ----------------------------------------------------------
+
+
+@dataclass
+class RequestState:
+    """What the scheduler half remembers about a request between calls."""
+
+    request: Any
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    local_tokens: int = 0
+    saved_chunks: int = 0
+    loads: list[ChunkTransfer] = field(default_factory=list)
+
+
+class MaruScheduler:
+    """Lookups and load/save plans; runs in vLLM's scheduler."""
+
+    def __init__(self, vllm_config: VllmConfig, config: MaruConfig) -> None:
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_tokens = config.chunk_tokens
+        if self.chunk_tokens % self.block_size:
+            raise ConfigError(
+                f"chunk_tokens = {self.chunk_tokens}: not a multiple of vLLM's block size "
+                f"({self.block_size}); allowed: a multiple of {self.block_size}"
+            )
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.store = StoreGuard(config)
+        self.stats = MaruConnectorStats()
+        self.requests: dict[str, RequestState] = {}
+        self._vllm_config = vllm_config
+        self._config = config
+        self._layout = "unknown"
+        self._prefix: bytes | None = None
+        warn_if_hash_seed_is_per_process(vllm_config)
+
+    def set_layout(self, fingerprints: set[str]) -> None:
+        """Take the workers' layout fingerprint into the namespace."""
+        self._layout = ",".join(sorted(fingerprints))
+        self._prefix = None
+
+    def key_prefix(self) -> bytes:
+        """`maru/<namespace>/<digest>/`: the digest covers everything that changes the bytes."""
+        if self._prefix is None:
+            parts = namespace_parts(self._vllm_config, self._config, self._layout)
+            digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+            self._prefix = f"maru/{self._config.namespace}/{digest[:32]}/".encode()
+        return self._prefix
+
+    def chunk_keys(self, request: Any) -> list[bytes]:
+        """One key per whole prompt chunk: the hash of its last block (hashes are chained)."""
+        hashes = request.block_hashes
+        count = min(len(hashes) // self.blocks_per_chunk,
+                    request.num_prompt_tokens // self.chunk_tokens)
+        prefix = self.key_prefix()
+        return [prefix + bytes(hashes[(c + 1) * self.blocks_per_chunk - 1]) for c in range(count)]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond `num_computed_tokens` that can be loaded from the store."""
+        keys = self.chunk_keys(request)
+        state = RequestState(request, keys, local_tokens=num_computed_tokens)
+        self.requests[request.request_id] = state
+        first = num_computed_tokens // self.chunk_tokens
+        hit_chunks = first + self._leading_present(keys[first:])
+        state.saved_chunks = hit_chunks
+        hit_tokens = min(hit_chunks * self.chunk_tokens, request.num_prompt_tokens - 1)
+        return max(0, hit_tokens - num_computed_tokens)
+
+    def _leading_present(self, keys: list[bytes]) -> int:
+        store = self.store.available()
+        if not keys or store is None:
+            return 0
+        ranked = [rank_key(key, rank) for key in keys for rank in range(self.tp_size)]
+        try:
+            found = store.contains(ranked)
+        except Exception as exc:
+            self.stats.add(lookups=1, lookup_errors=1)
+            self.store.failed(exc)
+            return 0
+        self.stats.add(lookups=1)
+        for index in range(len(keys)):
+            if not all(found[index * self.tp_size:(index + 1) * self.tp_size]):
+                return index
+        return len(keys)
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        """Plan the loads of the external tokens into the allocated blocks."""
+        state = self.requests.get(request.request_id)
+        if state is None:
+            return
+        state.block_ids = list(block_ids)
+        state.loads = []
+        if num_external_tokens <= 0:
+            return
+        self.stats.add(hit_tokens=num_external_tokens)
+        first_block = state.local_tokens // self.block_size
+        end_block = -(-(state.local_tokens + num_external_tokens) // self.block_size)
+        for chunk in range(first_block // self.blocks_per_chunk,
+                           -(-end_block // self.blocks_per_chunk)):
+            start = max(first_block, chunk * self.blocks_per_chunk)
+            stop = min(end_block, (chunk + 1) * self.blocks_per_chunk)
+            state.loads.append(ChunkTransfer(state.keys[chunk], state.block_ids[start:stop],
+                                             start - chunk * self.blocks_per_chunk))
+
+    def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
+        """This step's loads and the saves of every chunk that completes in it."""
+        meta = MaruConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self.requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan(state, new.num_computed_tokens + scheduled[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            new_block_ids = cached.new_block_ids[index]
+            if req_id in getattr(cached, "resumed_req_ids", ()):
+                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
+            elif new_block_ids:
+                state.block_ids.extend(new_block_ids[0])
+            self._plan(state, cached.num_computed_tokens[index] + scheduled[req_id], meta)
+        return meta
+
+    def _plan(self, state: RequestState, computed: int, meta: MaruConnectorMetadata) -> None:
+        meta.loads.extend(state.loads)
+        state.loads = []
+        complete = min(computed // self.chunk_tokens, len(state.keys))
+        k = self.blocks_per_chunk
+        for chunk in range(state.saved_chunks, complete):
+            block_ids = state.block_ids[chunk * k:(chunk + 1) * k]
+            if len(block_ids) == k:
+                meta.saves.append(ChunkTransfer(state.keys[chunk], block_ids))
+        state.saved_chunks = max(state.saved_chunks, complete)
+
+    def request_finished(self, request: Any) -> None:
+        """Forget the request."""
+        self.requests.pop(request.request_id, None)
+
+
+def namespace_parts(vllm_config: VllmConfig, config: MaruConfig, layout: str) -> dict[str, Any]:
+    """Everything besides the token hashes that changes the bytes of a chunk."""
+    from vllm import __version__ as vllm_version
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    algorithm = getattr(cache, "prefix_caching_hash_algo", "unknown")
+    return {
+        "model": model.model, "revision": model.revision, "dtype": str(model.dtype),
+        "kv_dtype": str(cache.cache_dtype), "layout": layout, "block_size": cache.block_size,
+        "chunk_tokens": config.chunk_tokens,
+        "tp_size": vllm_config.parallel_config.tensor_parallel_size,
+        "hash_algorithm": algorithm, "hash_seed": none_hash_hex(),
+        "vllm": ".".join(vllm_version.split(".")[:2]),
+    }
+
+
+def none_hash_hex() -> str:
+    """vLLM's NONE_HASH, the seed of every block hash chain (empty if not set yet)."""
+    try:
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:
+        return ""
+    return bytes(getattr(kv_cache_utils, "NONE_HASH", b"")).hex()
+
+
+def warn_if_hash_seed_is_per_process(vllm_config: VllmConfig) -> None:
+    """Say once when block hashes cannot match across processes."""
+    from vllm import __version__ as vllm_version
+
+    if os.environ.get("PYTHONHASHSEED") is not None:
+        return
+    algorithm = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
+    major_minor = tuple(int(p) for p in vllm_version.split(".")[:2] if p.isdigit())
+    if algorithm.startswith("xxhash") or (len(major_minor) == 2 and major_minor < (0, 29)):
+        log.warning("maru: vLLM's block-hash seed is random per process here (hash %s, vLLM %s, "
+                    "no PYTHONHASHSEED), so other instances can never hit this one's chunks; "
+                    "set PYTHONHASHSEED to one value everywhere, or use sha256",
+                    algorithm, vllm_version)
+
+
+# --- worker half -------------------------------------------------------------
+
+
+@dataclass
+class PendingSave:
+    """A reservation being filled layer by layer."""
+
+    key: bytes
+    block_ids: torch.Tensor
+    payload: torch.Tensor
+    stack: ExitStack
+    layers_done: set[str] = field(default_factory=set)
+
+
+class MaruWorker:
+    """Copies chunks between the store and the KV cache; runs in each vLLM worker."""
+
+    def __init__(self, vllm_config: VllmConfig, config: MaruConfig,
+                 kv_cache_config: Any) -> None:
+        self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self.blocks_per_chunk = config.chunk_tokens // vllm_config.cache_config.block_size
+        self.rank = tensor_parallel_rank()
+        self.store = StoreGuard(config)
+        self.stats = MaruConnectorStats()
+        self.adapter: LayoutAdapter | None = None
+        self.failed_blocks: set[int] = set()
+        self.pending: dict[bytes, PendingSave] = {}
+        self._staging = torch.empty(0, dtype=torch.int8)
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Find the layout adapter; an unknown layout disables the connector, loudly."""
+        adapters = [p.cls for p in get_plugin_manager().layout_adapters.values()]
+        num_blocks = self.num_blocks or _guess_num_blocks(kv_caches)
+        try:
+            self.adapter = recognise(kv_caches, num_blocks, adapters)
+        except LayoutError as exc:
+            log.error("maru: %s", exc)
+            return
+        self._staging = torch.empty(self.object_bytes(self.blocks_per_chunk), dtype=torch.int8)
+        log.info("maru: KV layout %s (fingerprint %s), %d layers, %d bytes per block",
+                 self.adapter.name, self.adapter.fingerprint, len(self.adapter.layers),
+                 self.adapter.block_bytes)
+
+    def handshake(self) -> MaruHandshake:
+        return MaruHandshake(self.adapter.fingerprint if self.adapter else "unrecognised")
+
+    def object_bytes(self, blocks: int) -> int:
+        return HEADER_BYTES + blocks * self.adapter.block_bytes
+
+    # loads
+
+    def load(self, transfers: list[ChunkTransfer]) -> None:
+        """Copy every planned chunk into its blocks; report the blocks that failed."""
+        for transfer in transfers:
+            if not self._load_one(transfer):
+                self.failed_blocks.update(transfer.block_ids)
+
+    def _load_one(self, transfer: ChunkTransfer) -> bool:
+        store = self.store.available()
+        if store is None or self.adapter is None:
+            self.stats.add(load_errors=1)
+            return False
+        started = time.perf_counter()
+        key = rank_key(transfer.key, self.rank)
+        try:
+            size = store.get_into(key, self._staging)
+        except ValueError:
+            size = None  # larger than a chunk in this layout: not ours to load
+        except Exception as exc:
+            self.store.failed(exc)
+            size = None
+        if size != self._staging.numel() or not self._trusted(key):
+            self.stats.add(load_errors=1)
+            return False
+        ids = torch.tensor(transfer.block_ids, dtype=torch.long)
+        for name, offset in self.adapter.layer_offsets(self.blocks_per_chunk).items():
+            self.adapter.write_layer(name, ids, self._staging[HEADER_BYTES + offset:],
+                                     self.blocks_per_chunk, transfer.first_block)
+        self.stats.add(loads=1, loaded_bytes=size, load_seconds=time.perf_counter() - started)
+        return True
+
+    def _trusted(self, key: bytes) -> bool:
+        """The staged object is this key's, in this layout, and whole."""
+        payload = self._staging.numel() - HEADER_BYTES
+        expected = object_header(key, self.adapter.fingerprint, payload)
+        return self._staging[:HEADER_BYTES].numpy().tobytes() == expected
+
+    # saves
+
+    def save_layer(self, layer_name: str, transfers: list[ChunkTransfer]) -> None:
+        """Copy one layer's pages of every chunk to save into its reservation."""
+        if self.adapter is None or layer_name not in self.adapter.layers:
+            return
+        for transfer in transfers:
+            pending = self._pending(transfer)
+            if pending is not None and layer_name not in pending.layers_done:
+                self._copy_layer(pending, layer_name)
+
+    def _pending(self, transfer: ChunkTransfer) -> PendingSave | None:
+        key = rank_key(transfer.key, self.rank)
+        if key in self.pending:
+            return self.pending[key]
+        store = self.store.available()
+        if store is None:
+            return None
+        stack = ExitStack()
+        size = self.object_bytes(len(transfer.block_ids))
+        try:
+            buffer = stack.enter_context(store.reserve(key, size))
+        except Exception as exc:
+            stack.close()
+            self.stats.add(save_errors=1)
+            self.store.failed(exc)
+            return None
+        if buffer is None:
+            stack.close()
+            return None
+        payload = torch.frombuffer(buffer, dtype=torch.int8)
+        payload[:HEADER_BYTES] = torch.frombuffer(
+            bytearray(object_header(key, self.adapter.fingerprint, size - HEADER_BYTES)),
+            dtype=torch.int8)
+        pending = PendingSave(key, torch.tensor(transfer.block_ids, dtype=torch.long), payload,
+                              stack)
+        self.pending[key] = pending
+        return pending
+
+    def _copy_layer(self, pending: PendingSave, layer_name: str) -> None:
+        started = time.perf_counter()
+        count = len(pending.block_ids)
+        offset = HEADER_BYTES + self.adapter.layer_offsets(count)[layer_name]
+        self.adapter.read_layer(layer_name, pending.block_ids, pending.payload[offset:])
+        pending.layers_done.add(layer_name)
+        self.stats.add(save_seconds=time.perf_counter() - started)
+
+    def finish_saves(self, transfers: list[ChunkTransfer]) -> None:
+        """Copy layers no save_kv_layer call delivered, then commit every chunk."""
+        if self.adapter is not None:
+            for transfer in transfers:
+                pending = self._pending(transfer)
+                for name in (self.adapter.layers if pending else ()):
+                    if name not in pending.layers_done:
+                        self._copy_layer(pending, name)
+        for key, pending in list(self.pending.items()):
+            del self.pending[key]
+            started = time.perf_counter()
+            try:
+                pending.stack.close()
+            except Exception as exc:
+                self.stats.add(save_errors=1)
+                self.store.failed(exc)
+                continue
+            self.stats.add(saves=1, saved_bytes=int(pending.payload.numel()),
+                           save_seconds=time.perf_counter() - started)
+
+    def abort_saves(self, exc: BaseException) -> None:
+        """Drop every open reservation (their space returns to the store)."""
+        for pending in self.pending.values():
+            pending.stack.__exit__(type(exc), exc, exc.__traceback__)
+        self.pending.clear()
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
+
+
+def _guess_num_blocks(kv_caches: dict[str, Any]) -> int:
+    """Without a KVCacheConfig (old vLLM): the leading dimension, after a K/V split."""
+    tensor = kv_tensor(next(iter(kv_caches.values())))
+    return int(tensor.shape[1] if tensor.dim() >= 3 and tensor.shape[0] == 2 else tensor.shape[0])
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a distributed setup)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:
+        return 0
+
+
+# --- the connector vLLM loads --------------------------------------------------
+
+
+class MaruKVConnector(KVConnectorBase_V1):
+    """vLLM KV connector that shares prompt KV through a maru store."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.config = load_config(extra_config=extra)
+        recompute_failed_loads(vllm_config)
+        self._scheduler: MaruScheduler | None = None
+        self._worker: MaruWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = MaruScheduler(vllm_config, self.config)
+        else:
+            self._worker = MaruWorker(vllm_config, self.config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> MaruHandshake | None:
+        return self._worker.handshake() if self._worker else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if metadata.loads:
+            self._worker.load(metadata.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if metadata.saves:
+            self._worker.save_layer(layer_name, metadata.saves)
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        saves = self._get_connector_metadata().saves
+        try:
+            self._worker.finish_saves(saves)
+        except Exception as exc:
+            self._worker.abort_saves(exc)
+            self._worker.store.failed(exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker else set()
+
+    def get_kv_connector_stats(self) -> MaruConnectorStats | None:
+        half = self._worker or self._scheduler
+        return half.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> MaruConnectorStats | None:
+        return MaruConnectorStats(dict(data or {}))
+
+    def shutdown(self) -> None:
+        half = self._worker or self._scheduler
+        half.store.close()
+
+    # scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0],
+                                                 num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.request_finished(request)
+        return False, None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        fingerprints = {m.layout_fingerprint for m in metadata.values()
+                        if isinstance(m, MaruHandshake)}
+        if fingerprints:
+            self._scheduler.set_layout(fingerprints)
+
+
+def recompute_failed_loads(vllm_config: VllmConfig) -> None:
+    """A best-effort cache must never fail a request: have vLLM recompute failed loads."""
+    transfer = vllm_config.kv_transfer_config
+    if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+        log.info("maru: setting kv_load_failure_policy to 'recompute' (a failed load from a "
+                 "cache is recomputed, never an error)")
+        transfer.kv_load_failure_policy = "recompute"

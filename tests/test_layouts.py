@@ -1,0 +1,235 @@
+"""Layout adapters: every row of the vLLM facts table round-trips, unknown layouts are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import maru
+from maru.layouts import (
+    BlocksFirst,
+    KVFirst,
+    LayoutAdapter,
+    LayoutError,
+    kv_tensor,
+    recognise,
+)
+from maru.plugins import MaruPluginManager, get_plugin_manager
+
+NB, BS, H, D, LAYERS = 12, 32, 2, 64, 3
+BUILTINS = [KVFirst, BlocksFirst]
+
+
+def filled(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """Random bytes in every element of a (possibly strided) view."""
+    generator = torch.Generator().manual_seed(seed)
+    raw = torch.randint(-128, 127, tensor.shape, dtype=torch.int8, generator=generator)
+    tensor.view(torch.int8).copy_(raw) if tensor.element_size() == 1 else tensor.copy_(
+        raw.to(torch.float32).to(tensor.dtype))
+    return tensor
+
+
+def permuted(physical: tuple[int, ...], order: tuple[int, ...], dtype=torch.bfloat16):
+    """A tensor allocated in `physical` order and viewed in logical order (no copy)."""
+    return torch.zeros(physical, dtype=dtype).permute(order)
+
+
+ROWS = {
+    # vLLM <= 0.22 FlashAttention / Flex / Triton <= 0.10.2: K/V first
+    "flash<=0.22 (2,NB,BS,H,D)": lambda: torch.zeros(2, NB, BS, H, D, dtype=torch.bfloat16),
+    # CPU backend 0.11.2-0.22
+    "cpu<=0.22 (2,NB,H,BS,D)": lambda: torch.zeros(2, NB, H, BS, D, dtype=torch.bfloat16),
+    # 0.23-0.25 FlashAttention, FlashInfer, Triton: blocks first, NHD and HND strides
+    "flash 0.23 (NB,2,BS,H,D) NHD": lambda: torch.zeros(NB, 2, BS, H, D, dtype=torch.float16),
+    "flash 0.23 (NB,2,BS,H,D) HND": lambda: permuted((NB, 2, H, BS, D), (0, 1, 3, 2, 4)),
+    # 0.26-0.28 and the CPU backend 0.23+: (NB, H, BS, 2D)
+    "0.26 (NB,H,BS,2D) HND": lambda: torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16),
+    "0.26 (NB,H,BS,2D) NHD": lambda: permuted((NB, BS, H, 2 * D), (0, 2, 1, 3)),
+    # MLA: no K/V split
+    "mla (NB,BS,D)": lambda: torch.zeros(NB, BS, 576, dtype=torch.bfloat16),
+    "mla>=0.29 (NB,1,BS,C)": lambda: torch.zeros(NB, 1, BS, 576, dtype=torch.bfloat16),
+    # fp8 caches are stored as uint8
+    "fp8 (NB,H,BS,2D)": lambda: torch.zeros(NB, H, BS, 2 * D, dtype=torch.uint8),
+}
+
+
+def block_bytes(tensor: torch.Tensor, block: int, dim: int) -> bytes:
+    """The bytes of one block, read independently of the adapters."""
+    page = tensor.select(dim, block).contiguous()
+    return page.view(torch.uint8).numpy().tobytes() if page.element_size() == 1 else \
+        page.view(torch.int16 if page.element_size() == 2 else torch.int32).numpy().tobytes()
+
+
+def block_dim_of(tensor: torch.Tensor) -> int:
+    return 1 if tensor.dim() >= 3 and tuple(tensor.shape[:2]) == (2, NB) else 0
+
+
+def round_trip(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> None:
+    """Pages of blocks 1, 4, 7 of `source` land in blocks 9, 2, 5 of `target`, and nothing
+    else in `target` changes."""
+    reader = recognise(source, NB, BUILTINS)
+    writer = recognise(target, NB, BUILTINS)
+    assert reader.fingerprint == writer.fingerprint
+    ids_from, ids_to = torch.tensor([1, 4, 7]), torch.tensor([9, 2, 5])
+    before = {name: {b: block_bytes(t, b, block_dim_of(t)) for b in range(NB)}
+              for name, t in target.items()}
+    stored = torch.empty(reader.block_bytes * 3, dtype=torch.int8)
+    for name, offset in reader.layer_offsets(3).items():
+        reader.read_layer(name, ids_from, stored[offset:])
+    for name, offset in writer.layer_offsets(3).items():
+        writer.write_layer(name, ids_to, stored[offset:], 3)
+    for name, tensor in target.items():
+        dim = block_dim_of(tensor)
+        for src, dst in zip(ids_from.tolist(), ids_to.tolist(), strict=True):
+            assert block_bytes(tensor, dst, dim) == block_bytes(source[name], src, dim)
+        for block in set(range(NB)) - set(ids_to.tolist()):
+            assert block_bytes(tensor, block, dim) == before[name][block], "untouched block"
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_every_row_round_trips(row: str) -> None:
+    source = {f"layer{i}": filled(ROWS[row](), seed=i) for i in range(LAYERS)}
+    target = {f"layer{i}": filled(ROWS[row](), seed=100 + i) for i in range(LAYERS)}
+    round_trip(source, target)
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_rows_are_recognised_by_the_expected_adapter(row: str) -> None:
+    tensor = ROWS[row]()
+    adapter = recognise({"l": tensor}, NB, BUILTINS)
+    assert adapter.name == ("kv-first" if row.startswith(("flash<=", "cpu<=")) else "blocks-first")
+    parts = len(adapter.layers["l"])
+    assert parts == (2 if adapter.name == "kv-first" else 1)
+
+
+def vllm_allocation(layout, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """KV caches exactly as vLLM >= 0.29 allocates them: views into one int8 buffer."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+    )
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=dtype)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    page = spec.page_size_bytes
+    fixed_block = page * LAYERS if layout.is_block_outermost else None
+    layer_stride, block_stride, *_ = compute_layout_strides(
+        spec, NB, LAYERS, layout, fixed_strides=(None, fixed_block, None, None, None))
+    tensor = KVCacheTensor(size=page * LAYERS * NB, layers=names, layer_stride=layer_stride,
+                           block_stride=block_stride)
+    config = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[tensor],
+                           kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    return allocate_kv_cache(config, torch.device("cpu"), layout)
+
+
+def all_layouts():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return list(KVCacheLayout)
+
+
+@pytest.mark.parametrize("layout", all_layouts(), ids=lambda layout: layout.name)
+def test_vllm_own_allocation_round_trips_in_every_layout(layout) -> None:
+    source, target = vllm_allocation(layout), vllm_allocation(layout)
+    views = list(source.values())
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1, "one shared buffer"
+    assert any(v.storage_offset() for v in views), "layers sit at non-zero offsets"
+    for i, view in enumerate(source.values()):
+        filled(view, seed=i)
+    for i, view in enumerate(target.values()):
+        filled(view, seed=50 + i)
+    round_trip(source, target)
+
+
+def test_fingerprints_match_exactly_when_pages_are_interchangeable() -> None:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    prints = {layout.name: recognise(vllm_allocation(layout), NB, BUILTINS).fingerprint
+              for layout in KVCacheLayout}
+    # Where pages sit (layer- or block-outermost) does not change a page's bytes ...
+    assert prints["LBHNC"] == prints["BLHNC"]
+    assert prints["LBNHC"] == prints["BLNHC"]
+    assert prints["LHBNC"] == prints["BHLNC"]
+    # ... the order of the bytes inside a page does.
+    assert len({prints["LBHNC"], prints["LBNHC"], prints["LHBNC"]}) == 3
+    assert recognise({"l": torch.zeros(NB, H, BS, 2 * D)}, NB, BUILTINS).fingerprint != \
+        recognise({"l": torch.zeros(NB, H, BS, 2 * D, dtype=torch.float16)}, NB,
+                  BUILTINS).fingerprint
+
+
+def test_the_fingerprint_ignores_how_many_blocks_there_are() -> None:
+    small = recognise({"l": torch.zeros(NB, H, BS, 2 * D)}, NB, BUILTINS)
+    large = recognise({"l": torch.zeros(3 * NB, H, BS, 2 * D)}, 3 * NB, BUILTINS)
+    assert small.fingerprint == large.fingerprint
+
+
+def test_a_list_container_is_indexed_by_virtual_engine() -> None:
+    first, second = torch.zeros(NB, H, BS, D), torch.ones(NB, H, BS, D)
+
+    class OldForwardContext:
+        virtual_engine = 1
+
+    assert kv_tensor([first, second]) is first, "no virtual_engine attribute: engine 0"
+    assert kv_tensor((first, second), OldForwardContext()) is second
+    assert kv_tensor(first, OldForwardContext()) is first
+    adapter = recognise({"l": [first, second]}, NB, BUILTINS)
+    assert adapter.name == "blocks-first"
+
+
+def test_an_unknown_layout_is_refused_with_the_shapes_and_strides_seen() -> None:
+    weird = torch.zeros(BS, NB, H, D)
+    with pytest.raises(LayoutError) as caught:
+        recognise({"a": weird, "b": weird}, NB, BUILTINS)
+    message = str(caught.value)
+    assert f"shape {(BS, NB, H, D)} strides {weird.stride()}" in message
+    assert "2 layers, 12 blocks" in message and "adapters tried: kv-first, blocks-first" in message
+    assert isinstance(caught.value, maru.MaruError)
+
+
+class BlocksLast(LayoutAdapter):
+    """A third-party layout: the block index is the last dimension."""
+
+    name = "blocks-last"
+
+    @classmethod
+    def block_dim(cls, tensor, num_blocks):
+        return tensor.dim() - 1 if tensor.shape[-1] == num_blocks else None
+
+
+class BlocksLastPlugin:
+    @staticmethod
+    @maru.hookimpl
+    def maru_layout_adapters():
+        return [BlocksLast]
+
+
+def test_a_plugin_adapter_is_used_for_a_layout_the_builtins_do_not_know() -> None:
+    manager = MaruPluginManager(load_entry_points=False, plugins=[BlocksLastPlugin])
+    adapters = [p.cls for p in manager.layout_adapters.values()]
+    assert [a.name for a in adapters] == ["kv-first", "blocks-first", "blocks-last"]
+    exotic = {"l": filled(torch.zeros(H, BS, D, NB), 1)}
+    chosen = recognise(exotic, NB, adapters)
+    assert chosen.name == "blocks-last"
+    stored = torch.empty(chosen.block_bytes, dtype=torch.int8)
+    chosen.read_layer("l", torch.tensor([3]), stored)
+    assert stored.numpy().tobytes() == block_bytes(exotic["l"], 3, 3)
+    assert recognise({"l": torch.zeros(NB, H, BS, D)}, NB, adapters).name == "blocks-first"
+
+
+def test_the_builtin_adapters_are_registered_through_the_hook() -> None:
+    adapters = get_plugin_manager().layout_adapters
+    assert adapters["kv-first"].cls is KVFirst
+    assert adapters["blocks-first"].plugin.distribution == "maru"
+
+
+def test_pages_move_between_layer_outer_and_block_outer_caches() -> None:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    source = vllm_allocation(KVCacheLayout.LHBNC)
+    for i, view in enumerate(source.values()):
+        filled(view, seed=i)
+    round_trip(source, vllm_allocation(KVCacheLayout.BHLNC))
