@@ -49,7 +49,8 @@ except ImportError:  # vLLM < 0.11 has no connector stats
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.maru")
+"""Under "vllm" so that vLLM's log configuration shows maru's lines with its own."""
 
 HEADER_BYTES = 64
 HEADER_MAGIC = b"MARUKV01"

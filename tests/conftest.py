@@ -37,3 +37,11 @@ def open_stores() -> Iterator[Callable[..., Backend]]:
 def unique_name(prefix: str = "t") -> str:
     """A name no other test uses (pool names, mock store names)."""
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory):
+    """A random-weight Llama small enough for vLLM's CPU backend, built locally."""
+    from maru.engine import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")

@@ -1,0 +1,150 @@
+"""The connector's scheduler half inside vLLM's real Scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from maru.connector import rank_key
+from tests.conftest import unique_name
+from tests.vllm_harness import SchedulerHarness
+
+CHUNK = 64
+
+
+@pytest.fixture
+def harness(tiny_model):
+    made = []
+
+    def make(**options) -> SchedulerHarness:
+        made.append(SchedulerHarness(tiny_model, options.pop("pool", unique_name()), **options))
+        return made[-1]
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
+def tokens(count: int, start: int = 1) -> list[int]:
+    return list(range(start, start + count))
+
+
+def test_a_miss_computes_everything_and_saves_every_whole_chunk(harness) -> None:
+    h = harness()
+    h.add("a", tokens(300))
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"a": 300}
+    assert meta.loads == []
+    blocks = h.block_ids("a")
+    assert [save.block_ids for save in meta.saves] == [blocks[0:2], blocks[2:4], blocks[4:6],
+                                                        blocks[6:8]]
+    assert all(save.first_block == 0 for save in meta.saves)
+
+
+def test_a_stored_prefix_is_loaded_and_the_rest_saved(harness) -> None:
+    h = harness()
+    h.add("first", tokens(300))
+    h.step()
+    second = h.add("second", tokens(256) + tokens(150, start=5000))
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"second": 406 - 256}
+    blocks = h.block_ids("second")
+    assert [(load.block_ids, load.first_block) for load in meta.loads] == [
+        (blocks[0:2], 0), (blocks[2:4], 0), (blocks[4:6], 0), (blocks[6:8], 0)]
+    keys = h.chunk_keys(second)
+    assert [load.key for load in meta.loads] == keys[:4]
+    assert [save.key for save in meta.saves] == keys[4:6], "chunks after the hit are saved"
+
+
+def test_a_fully_stored_prompt_still_computes_its_last_token(harness) -> None:
+    h = harness()
+    h.add("first", tokens(256))
+    h.step()
+    h.add("again", tokens(256))
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"again": 1}
+    assert [load.block_ids for load in meta.loads] == [
+        h.block_ids("again")[i:i + 2] for i in range(0, 8, 2)]
+    assert meta.saves == []
+
+
+def test_only_the_leading_run_of_stored_chunks_is_a_hit(harness) -> None:
+    h = harness()
+    first = h.add("first", tokens(300))
+    h.step()
+    h.store.delete(rank_key(h.chunk_keys(first)[2], 0))
+    h.add("second", tokens(300))
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"second": 300 - 2 * CHUNK}
+    assert len(meta.loads) == 2
+    assert [save.key for save in meta.saves] == h.chunk_keys(first)[2:4]
+
+
+def test_one_batched_lookup_per_request(harness, monkeypatch) -> None:
+    h = harness()
+    h.add("first", tokens(300))
+    h.step()
+    calls = []
+    store = h.connector._scheduler.store.available()
+    original = store.contains
+    monkeypatch.setattr(store, "contains", lambda keys: calls.append(len(keys)) or
+                        original(keys))
+    h.add("second", tokens(600))
+    h.step()
+    assert calls == [9], "all 9 whole chunks of the prompt in one call"
+
+
+def test_chunked_prefill_saves_each_chunk_in_the_step_it_completes(harness) -> None:
+    h = harness(max_batched_tokens=96)
+    h.add("a", tokens(300))
+    saved_per_step = []
+    for _ in range(4):
+        output, meta = h.step()
+        saved_per_step.append([save.block_ids for save in meta.saves])
+    blocks = h.block_ids("a")
+    assert saved_per_step == [
+        [blocks[0:2]],                   # tokens 0-95: chunk 0 complete
+        [blocks[2:4], blocks[4:6]],      # tokens 96-191: chunks 1 and 2
+        [blocks[6:8]],                   # tokens 192-287: chunk 3
+        [],                              # tokens 288-299: no whole chunk
+    ]
+
+
+def test_a_preempted_request_resumes_from_the_store(harness) -> None:
+    h = harness(max_batched_tokens=128)
+    h.add("a", tokens(300))
+    _, meta = h.step()
+    assert len(meta.saves) == 2
+    h.preempt("a")
+    output, meta = h.step()
+    blocks = h.block_ids("a")
+    assert output.num_scheduled_tokens == {"a": 128}
+    assert [load.block_ids for load in meta.loads] == [blocks[0:2], blocks[2:4]]
+    assert [save.block_ids for save in meta.saves] == [blocks[4:6], blocks[6:8]]
+
+
+def test_different_cache_salts_never_share_chunks(harness) -> None:
+    h = harness()
+    h.add("tenant-a", tokens(300), cache_salt="a")
+    h.step()
+    h.add("tenant-b", tokens(300), cache_salt="b")
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"tenant-b": 300}
+    assert meta.loads == []
+
+
+def test_a_failing_store_is_a_miss_and_is_then_left_alone(harness, monkeypatch) -> None:
+    h = harness(mock={"fail_rate": 1.0})
+    h.add("a", tokens(300))
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"a": 300}
+    h.add("b", tokens(300))
+    h.step()
+    assert (h.stats["lookups"], h.stats["lookup_errors"]) == (1, 1), "skipped during back-off"
+
+
+def test_chunk_tokens_must_be_a_multiple_of_the_block_size(tiny_model) -> None:
+    import maru
+
+    with pytest.raises(maru.ConfigError, match="chunk_tokens = 48: not a multiple of vLLM's "
+                                               "block size"):
+        SchedulerHarness(tiny_model, unique_name(), chunk_tokens=48)

@@ -1,0 +1,174 @@
+"""The connector's worker half: chunks between a store and KV caches, and failures."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import maru
+from maru.connector import (
+    HEADER_BYTES,
+    ChunkTransfer,
+    MaruConnectorMetadata,
+    MaruKVConnector,
+    rank_key,
+)
+from tests.conftest import unique_name
+from tests.vllm_harness import make_kv_cache_config, make_vllm_config
+
+NB, LAYERS = 40, 3
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
+    """CPU-backend shaped caches (NB, H, BS, 2D), random or zero."""
+    caches = {}
+    for i, name in enumerate(LAYER_NAMES):
+        cache = torch.zeros(NB, 2, 32, 128, dtype=torch.bfloat16)
+        if seed is not None:
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(seed + i)))
+        caches[name] = cache
+    return caches
+
+
+def worker(tiny_model, pool: str, caches: dict[str, torch.Tensor], **mock) -> MaruKVConnector:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    extra = {"backend": "mock", "chunk_tokens": 64, "mock": {"name": pool, **mock}}
+    connector = MaruKVConnector(make_vllm_config(tiny_model, extra), KVConnectorRole.WORKER,
+                                make_kv_cache_config(NB))
+    connector.register_kv_caches(caches)
+    return connector
+
+
+def run_step(connector: MaruKVConnector, meta: MaruConnectorMetadata, *,
+             layer_by_layer: bool = True) -> set[int]:
+    """One forward step as vLLM drives it; the block ids that failed to load."""
+    connector.bind_connector_metadata(meta)
+    connector.start_load_kv(None)
+    if layer_by_layer:
+        for name in LAYER_NAMES:
+            connector.wait_for_layer_load(name)
+            connector.save_kv_layer(name, None, None)
+    connector.wait_for_save()
+    connector.clear_connector_metadata()
+    return connector.get_block_ids_with_load_errors()
+
+
+def same_blocks(a: dict, a_ids: list[int], b: dict, b_ids: list[int]) -> bool:
+    return all(torch.equal(a[n][a_ids], b[n][b_ids]) for n in LAYER_NAMES)
+
+
+@pytest.fixture
+def pool():
+    return unique_name("worker")
+
+
+@pytest.mark.parametrize("layer_by_layer", [True, False])
+def test_a_saved_chunk_loads_into_other_blocks_of_another_cache(tiny_model, pool,
+                                                                layer_by_layer) -> None:
+    source, target = kv_caches(1), kv_caches(None)
+    writer = worker(tiny_model, pool, source)
+    assert run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]),
+                    layer_by_layer=layer_by_layer) == set()
+    reader = worker(tiny_model, pool, target)
+    assert run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])])) == set()
+    assert same_blocks(source, [3, 7], target, [11, 12])
+    untouched = [b for b in range(NB) if b not in (11, 12)]
+    assert all(not target[n][untouched].any() for n in LAYER_NAMES)
+    stats = reader.get_kv_connector_stats().data
+    assert stats["loads"] == 1 and stats["loaded_bytes"] > 0
+    assert writer.get_kv_connector_stats().data["saves"] == 1
+
+
+def test_a_load_can_skip_blocks_computed_locally(tiny_model, pool) -> None:
+    source, target = kv_caches(1), kv_caches(None)
+    run_step(worker(tiny_model, pool, source),
+             MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
+    run_step(worker(tiny_model, pool, target),
+             MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [20], first_block=1)]))
+    assert same_blocks(source, [7], target, [20])
+
+
+def test_the_object_is_one_chunk_of_every_layer_with_a_header(tiny_model, pool) -> None:
+    run_step(worker(tiny_model, pool, kv_caches(1)),
+             MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
+    with maru.open_store(backend="mock", mock={"name": pool}) as store:
+        data = store.get(rank_key(b"k0", 0))
+    page = 2 * 32 * 128 * 2
+    assert len(data) == HEADER_BYTES + 2 * LAYERS * page
+
+
+def test_an_incomplete_save_is_never_visible(tiny_model, pool, monkeypatch) -> None:
+    writer = worker(tiny_model, pool, kv_caches(1))
+    meta = MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])])
+    writer.bind_connector_metadata(meta)
+    writer.save_kv_layer(LAYER_NAMES[0], None, None)
+    monkeypatch.setattr(writer._worker.adapter, "read_layer",
+                        lambda *args: (_ for _ in ()).throw(RuntimeError("copy failed")))
+    writer.wait_for_save()
+    with maru.open_store(backend="mock", mock={"name": pool}) as store:
+        assert store.contains([rank_key(b"k0", 0)]) == [False]
+        assert store.stats().used == 0, "the reservation was released"
+
+
+@pytest.mark.parametrize("damage", ["missing", "other layout", "truncated", "garbage"])
+def test_chunks_that_cannot_be_trusted_are_reported_for_recompute(tiny_model, pool,
+                                                                 damage) -> None:
+    target = kv_caches(None)
+    key = rank_key(b"k0", 0)
+    with maru.open_store(backend="mock", mock={"name": pool}) as store:
+        run_step(worker(tiny_model, pool, kv_caches(1)),
+                 MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
+        good = store.get(key)
+        store.delete(key)
+        if damage == "other layout":
+            store.put(key, good[:8] + bytes(24) + good[32:])
+        elif damage == "truncated":
+            store.put(key, good[:-1])
+        elif damage == "garbage":
+            store.put(key, bytes(len(good)))
+        reader = worker(tiny_model, pool, target)
+        failed = run_step(reader, MaruConnectorMetadata(
+            loads=[ChunkTransfer(b"k0", [11, 12]), ChunkTransfer(b"k1", [13, 14])]))
+    assert failed == {11, 12, 13, 14}
+    assert not any(target[n].any() for n in LAYER_NAMES), "nothing half-written"
+    assert reader.get_block_ids_with_load_errors() == set(), "reported once"
+
+
+def test_injected_faults_only_ever_cause_recomputes(tiny_model, pool) -> None:
+    source = kv_caches(1)
+    saves = [ChunkTransfer(b"k%d" % i, [2 * i, 2 * i + 1]) for i in range(10)]
+    run_step(worker(tiny_model, pool, source), MaruConnectorMetadata(saves=saves))
+    target = kv_caches(None)
+    reader = worker(tiny_model, pool, target, drop_rate=0.5, seed=3)
+    loads = [ChunkTransfer(b"k%d" % i, [20 + 2 * i, 21 + 2 * i]) for i in range(10)]
+    failed = run_step(reader, MaruConnectorMetadata(loads=loads))
+    assert 0 < len(failed) < 20
+    for load, save in zip(loads, saves, strict=True):
+        if not set(load.block_ids) & failed:
+            assert same_blocks(source, save.block_ids, target, load.block_ids)
+
+
+def test_after_an_error_the_store_is_skipped_for_the_back_off(tiny_model, pool) -> None:
+    reader = worker(tiny_model, pool, kv_caches(None), fail_rate=1.0)
+    failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [1, 2])]))
+    assert failed == {1, 2}
+    store = reader._worker.store.available()
+    assert store is None, "backing off"
+
+
+def test_an_unknown_layout_disables_the_connector_with_one_clear_error(tiny_model, pool,
+                                                                       caplog) -> None:
+    weird = {name: torch.zeros(32, NB, 2, 128) for name in LAYER_NAMES}
+    with caplog.at_level(logging.ERROR):
+        connector = worker(tiny_model, pool, weird)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "no layout adapter recognises this KV cache" in errors[0]
+    assert "shape (32, 40, 2, 128)" in errors[0]
+    assert connector.get_handshake_metadata().layout_fingerprint == "unrecognised"
+    failed = run_step(connector, MaruConnectorMetadata(
+        loads=[ChunkTransfer(b"k0", [1, 2])], saves=[ChunkTransfer(b"k1", [3, 4])]))
+    assert failed == {1, 2}

@@ -1,0 +1,137 @@
+"""vLLM's real Scheduler driven step by step with MaruKVConnector's scheduler half.
+
+The worker's part (copying KV) is played by putting a placeholder object for
+every chunk the metadata says to save, so these tests see exactly what the
+scheduler half plans: lookups, loads, saves, and their block ids.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+import maru
+from maru.connector import MaruConnectorMetadata, rank_key
+
+BLOCK_SIZE = 32
+
+
+def make_vllm_config(model_dir: Any, extra: dict[str, Any], *, num_blocks: int = 200,
+                     max_batched_tokens: int = 2048) -> Any:
+    """A VllmConfig for the tiny model with MaruKVConnector configured by `extra`."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    cache.num_gpu_blocks = num_blocks
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
+                                 max_model_len=4096, dtype="bfloat16"),
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=max_batched_tokens, max_num_seqs=16,
+            max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="MaruKVConnector", kv_connector_module_path="maru.connector",
+            kv_role="kv_both", kv_connector_extra_config=extra),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def make_kv_cache_config(num_blocks: int) -> Any:
+    """One full-attention group, as the scheduler sees it."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64,
+                             dtype=torch.bfloat16)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+
+
+class SchedulerHarness:
+    """One vLLM scheduler with the maru connector over an in-process mock store."""
+
+    def __init__(self, model_dir: Any, pool: str, *, chunk_tokens: int = 64,
+                 max_batched_tokens: int = 2048, num_blocks: int = 200,
+                 mock: dict[str, Any] | None = None) -> None:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        extra = {"backend": "mock", "chunk_tokens": chunk_tokens,
+                 "mock": {"name": pool, **(mock or {})}}
+        vllm_config = make_vllm_config(model_dir, extra, num_blocks=num_blocks,
+                                       max_batched_tokens=max_batched_tokens)
+        kv_cache_config = make_kv_cache_config(num_blocks)
+        self.scheduler = Scheduler(vllm_config, kv_cache_config,
+                                   StructuredOutputManager(vllm_config),
+                                   block_size=BLOCK_SIZE, log_stats=True)
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self.connector = self.scheduler.connector
+        self.stats: dict[str, float] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.store = maru.open_store(backend="mock", mock={"name": pool})
+
+    def add(self, req_id: str, tokens: list[int], *, cache_salt: str | None = None,
+            max_tokens: int = 1) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        request = Request(req_id, tokens, SamplingParams(max_tokens=max_tokens), None,
+                          cache_salt=cache_salt, block_hasher=self._hasher)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> tuple[Any, MaruConnectorMetadata]:
+        """Schedule, play the worker (store what is saved), report the model's output."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        output = self.scheduler.schedule()
+        meta = output.kv_connector_metadata
+        for save in meta.saves:
+            self.store.put(rank_key(save.key, 0), b"pages")
+        computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+        cached = output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        req_ids = list(output.num_scheduled_tokens)
+        for req_id in req_ids:
+            self.blocks[req_id] = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+        sampled = []
+        for req_id in req_ids:
+            done = computed[req_id] + output.num_scheduled_tokens[req_id]
+            prompt = self.scheduler.requests[req_id].num_prompt_tokens
+            sampled.append([7] if done >= prompt else [])
+        engine_outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled))
+        for outputs in engine_outputs.values():
+            reported = outputs.scheduler_stats and outputs.scheduler_stats.kv_connector_stats
+            for name, value in (reported or {}).items():
+                self.stats[name] = self.stats.get(name, 0) + value
+        return output, meta
+
+    def preempt(self, req_id: str) -> None:
+        """Preempt a running request, as vLLM does when it runs out of blocks."""
+        request = self.scheduler.requests[req_id]
+        self.scheduler.running.remove(request)
+        self.scheduler._preempt_request(request, time.monotonic())
+
+    def block_ids(self, req_id: str) -> list[int]:
+        """The request's blocks when it was last scheduled."""
+        return self.blocks[req_id]
+
+    def chunk_keys(self, request: Any) -> list[bytes]:
+        return self.connector._scheduler.chunk_keys(request)
+
+    def close(self) -> None:
+        self.store.close()
