@@ -98,7 +98,7 @@ def test_chunked_prefill_saves_each_chunk_in_the_step_it_completes(harness) -> N
     h.add("a", tokens(300))
     saved_per_step = []
     for _ in range(4):
-        output, meta = h.step()
+        _output, meta = h.step()
         saved_per_step.append([save.block_ids for save in meta.saves])
     blocks = h.block_ids("a")
     assert saved_per_step == [
@@ -135,7 +135,7 @@ def test_different_cache_salts_never_share_chunks(harness) -> None:
 def test_a_failing_store_is_a_miss_and_is_then_left_alone(harness, monkeypatch) -> None:
     h = harness(mock={"fail_rate": 1.0})
     h.add("a", tokens(300))
-    output, meta = h.step()
+    output, _meta = h.step()
     assert output.num_scheduled_tokens == {"a": 300}
     h.add("b", tokens(300))
     h.step()
