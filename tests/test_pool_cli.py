@@ -82,11 +82,15 @@ def test_bench_reports_every_size_as_a_ratio_to_memcpy() -> None:
     assert "ratio to memcpy" in format_report(report)
 
 
-def test_the_demo_shares_a_prefix_between_two_processes(capsys, pool_config) -> None:
+def test_the_demo_shares_a_prompt_between_two_vllm_engines(pool_config, tiny_model) -> None:
+    from maru.demo import format_report, run_demo
+
     config, _ = pool_config
-    code, out, _ = run(capsys, "demo", "--config", config, "--json")
-    report = json.loads(out)
-    assert code == 0
-    assert report["chunks_stored"] == 9
-    assert report["hit_tokens"] == 2048
+    lines: list[str] = []
+    report = run_demo(maru.load_config(config), model=tiny_model, prompt_tokens=600, vocab=512,
+                      progress=lines.append)
+    assert report["tokens_loaded"] == 512, "two whole 256-token chunks"
     assert report["identical"] is True
+    assert report["stats"]["objects"] == 2 and report["stats"]["hits"] == 2
+    assert len(lines) == 2 and "engine B" in lines[1]
+    assert "outputs identical: True" in format_report(report)
