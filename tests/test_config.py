@@ -165,7 +165,7 @@ def test_unusable_files_are_config_errors_naming_the_file(tmp_path, name, body, 
         (
             {"redis": {"url": "redis://x"}},
             "redis = {'url': 'redis://x'} (from argument): unknown key; "
-            "allowed: backend, namespace, capacity, chunk_tokens, "
+            "allowed: backend, namespace, capacity, chunk_tokens, error_backoff, "
             "config_file and the sections of installed backends",
         ),
         (

@@ -172,3 +172,35 @@ def test_an_unknown_layout_disables_the_connector_with_one_clear_error(tiny_mode
     failed = run_step(connector, MaruConnectorMetadata(
         loads=[ChunkTransfer(b"k0", [1, 2])], saves=[ChunkTransfer(b"k1", [3, 4])]))
     assert failed == {1, 2}
+
+
+def test_stats_aggregate_across_workers_and_reduce_for_vllm_logs() -> None:
+    from maru.connector import MaruConnectorStats
+
+    first = MaruKVConnector.build_kv_connector_stats({"loads": 2, "loaded_bytes": 100})
+    second = MaruConnectorStats()
+    second.add(loads=1, load_seconds=0.123456, load_errors=1)
+    merged = first.aggregate(second).reduce()
+    assert (merged["loads"], merged["loaded_bytes"], merged["load_errors"]) == (3, 100, 1)
+    assert merged["load_seconds"] == 0.1235
+    assert MaruConnectorStats().is_empty() and not first.is_empty()
+    assert second.take().data["loads"] == 1 and second.take() is None, "reset after a report"
+    assert second.lifetime["loads"] == 1
+
+
+@pytest.mark.parametrize(("algorithm", "seed", "warned"), [
+    ("xxhash", None, True), ("sha256", None, False), ("xxhash", "0", False)])
+def test_a_per_process_hash_seed_is_reported_once_at_start(tiny_model, caplog, monkeypatch,
+                                                           algorithm, seed, warned) -> None:
+    from maru.connector import warn_if_hash_seed_is_per_process
+
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    config = make_vllm_config(tiny_model, {"backend": "mock"})
+    config.cache_config.prefix_caching_hash_algo = algorithm
+    with caplog.at_level(logging.WARNING):
+        warn_if_hash_seed_is_per_process(config)
+    messages = [r.getMessage() for r in caplog.records if "hash seed" in r.getMessage()]
+    assert len(messages) == (1 if warned else 0)
