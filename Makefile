@@ -35,3 +35,4 @@ clean:
 
 bench: $(STAMP)
 	$(BIN)/maru bench --backend shm --backend cxl --backend mock
+	$(BIN)/python benchmarks/e2e_vllm.py
