@@ -23,6 +23,8 @@ BUILTIN_PLUGINS = (
     "maru.backends.mock",
     "maru.backends.shm",
     "maru.backends.cxl",
+    "maru.backends.redis",
+    "maru.backends.tiered",
     "maru.layouts",
 )
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME

@@ -17,8 +17,10 @@ A backend author runs the whole contract against their backend with a few lines:
             for store in stores:
                 store.close()
 
-`make_store(capacity)` returns a fresh, empty store of that many bytes. Every
-built-in backend runs this suite in maru's own tests.
+`make_store(capacity)` returns a fresh, empty store of that many bytes. A
+backend that enforces its capacity itself also mixes in `EvictionContract`
+(`class TestMine(BackendContract, EvictionContract)`). Every built-in backend
+runs these suites in maru's own tests.
 """
 
 from __future__ import annotations
@@ -171,32 +173,10 @@ class BackendContract:
             assert store.put(b"pending", b"wxyz") is False
         assert store.get(b"pending") == b"abcd"
 
-    # --- capacity and eviction -----------------------------------------------
-
     def test_an_object_larger_than_the_store_is_refused(self, store: Backend) -> None:
         with pytest.raises(ObjectTooLargeError, match="larger than"):
             store.put(b"big", bytes(self.capacity + 1))
         assert store.contains([b"big"]) == [False]
-
-    def test_a_full_store_evicts_the_least_recently_used(self, store: Backend) -> None:
-        size = self.capacity // 5
-        for i in range(4):
-            assert store.put(f"k{i}", payload(f"k{i}", size))
-        assert store.get(b"k0") == payload("k0", size)
-        for i in range(4, 6):
-            assert store.put(f"k{i}", payload(f"k{i}", size))
-        present = store.contains([f"k{i}" for i in range(6)])
-        assert present[0] and present[4] and present[5], present
-        assert not present[1], present
-        assert store.stats().evictions >= 1
-
-    def test_writes_never_fail_for_lack_of_room(self, store: Backend) -> None:
-        size = self.capacity // 7
-        for i in range(30):
-            assert store.put(f"k{i}", payload(f"k{i}", size)), f"put {i} failed"
-            stats = store.stats()
-            assert stats.used <= stats.capacity
-        assert store.get(b"k29") == payload("k29", size)
 
     def test_stats_count_objects_bytes_hits_and_misses(self, store: Backend) -> None:
         before = store.stats()
@@ -228,27 +208,60 @@ class BackendContract:
         store.close()
 
     def test_threads_never_see_a_torn_or_wrong_object(self, store: Backend) -> None:
-        errors: list[str] = []
-        sizes = [KIB, 7 * KIB, 16 * KIB, 33 * KIB]
+        assert churn_in_threads(store) == []
 
-        def worker(seed: int) -> None:
-            rng = np.random.default_rng(seed)
-            for _ in range(300):
-                i = int(rng.integers(40))
-                key, size = f"obj{i}", sizes[i % len(sizes)]
-                if rng.random() < 0.5:
-                    store.put(key, payload(key, size))
-                else:
-                    got = store.get(key)
-                    if got is not None and got != payload(key, size):
-                        errors.append(f"{key}: wrong bytes")
 
-        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert errors == []
+class EvictionContract:
+    """For backends that enforce their own capacity (mock, shm, cxl), not for those
+    where the server does (Redis with maxmemory): mix in beside BackendContract."""
+
+    def test_a_full_store_evicts_the_least_recently_used(self, store: Backend) -> None:
+        size = self.capacity // 5
+        for i in range(4):
+            assert store.put(f"k{i}", payload(f"k{i}", size))
+        assert store.get(b"k0") == payload("k0", size)
+        for i in range(4, 6):
+            assert store.put(f"k{i}", payload(f"k{i}", size))
+        present = store.contains([f"k{i}" for i in range(6)])
+        assert present[0] and present[4] and present[5], present
+        assert not present[1], present
+        assert store.stats().evictions >= 1
+
+    def test_writes_never_fail_for_lack_of_room(self, store: Backend) -> None:
+        size = self.capacity // 7
+        for i in range(30):
+            assert store.put(f"k{i}", payload(f"k{i}", size)), f"put {i} failed"
+            stats = store.stats()
+            assert stats.used <= stats.capacity
+        assert store.get(b"k29") == payload("k29", size)
+
+    def test_threads_under_eviction_pressure_see_whole_objects(self, store: Backend) -> None:
+        assert churn_in_threads(store) == []
         stats = store.stats()
         assert stats.used <= stats.capacity
         assert stats.evictions > 0
+
+
+def churn_in_threads(store: Backend, threads: int = 4, operations: int = 300) -> list[str]:
+    """Random puts and gets from several threads; every read that was wrong."""
+    errors: list[str] = []
+    sizes = [KIB, 7 * KIB, 16 * KIB, 33 * KIB]
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(operations):
+            i = int(rng.integers(40))
+            key, size = f"obj{i}", sizes[i % len(sizes)]
+            if rng.random() < 0.5:
+                store.put(key, payload(key, size))
+            else:
+                got = store.get(key)
+                if got is not None and got != payload(key, size):
+                    errors.append(f"{key}: wrong bytes")
+
+    running = [threading.Thread(target=worker, args=(seed,)) for seed in range(threads)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join()
+    return errors

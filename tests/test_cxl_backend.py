@@ -9,13 +9,13 @@ import pytest
 
 import maru
 from maru.backends.cxl import MPOL_BIND, discover_dax_devices, memory_policy
-from maru.testing import BackendContract
+from maru.testing import BackendContract, EvictionContract
 from tests.conftest import unique_name
 
 MIB = 2**20
 
 
-class TestCxlEmulatedContract(BackendContract):
+class TestCxlEmulatedContract(BackendContract, EvictionContract):
     @pytest.fixture
     def make_store(self, open_stores, tmp_path):
         return lambda capacity: open_stores(

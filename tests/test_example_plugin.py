@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 import maru
-from maru.testing import BackendContract
+from maru.testing import BackendContract, EvictionContract
 from tests.conftest import unique_name
 
 
-class TestDirStoreFromConfigFile(BackendContract):
+class TestDirStoreFromConfigFile(BackendContract, EvictionContract):
     @pytest.fixture
     def make_store(self, tmp_path, open_stores):
         def factory(capacity: int) -> maru.Backend:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 import maru
-from maru.testing import BackendContract, payload
+from maru.testing import BackendContract, EvictionContract, payload
 from tests.conftest import unique_name
 
 
-class TestMockContract(BackendContract):
+class TestMockContract(BackendContract, EvictionContract):
     @pytest.fixture
     def make_store(self, open_stores):
         return lambda capacity: open_stores(

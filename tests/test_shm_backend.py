@@ -10,7 +10,7 @@ import pytest
 import maru
 from maru.backends import _pool
 from maru.backends.shm import shm_path
-from maru.testing import BackendContract
+from maru.testing import BackendContract, EvictionContract
 from tests.conftest import unique_name
 
 MIB = 2**20
@@ -30,7 +30,7 @@ def pool_names():
         shm_path(name).unlink(missing_ok=True)
 
 
-class TestShmContract(BackendContract):
+class TestShmContract(BackendContract, EvictionContract):
     @pytest.fixture
     def make_store(self, open_stores, pool_names):
         return lambda capacity: open_stores(

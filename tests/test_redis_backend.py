@@ -1,0 +1,161 @@
+"""The redis backend: the contract on fakeredis, on a real server and on a real cluster;
+failures become BackendError, and work resumes when the server is back."""
+
+from __future__ import annotations
+
+import threading
+
+import fakeredis
+import pytest
+
+import maru
+from maru.backends.redis import RedisBackend
+from maru.testing import BackendContract, payload
+from tests.conftest import unique_name
+from tests.redis_servers import RedisCluster, RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"), "--maxmemory", "64mb",
+                         "--maxmemory-policy", "allkeys-lru").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    cluster = RedisCluster(tmp_path_factory.mktemp("cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+def redis_opener(open_stores, **redis):
+    """make_store for the contract: every store gets a namespace of its own."""
+    return lambda capacity: open_stores(backend="redis", capacity=capacity,
+                                        namespace=unique_name(), redis=redis)
+
+
+class TestFakeRedisContract(BackendContract):
+    @pytest.fixture
+    def make_store(self, open_stores, monkeypatch):
+        server = fakeredis.FakeServer()
+        monkeypatch.setattr(RedisBackend, "_connect",
+                            lambda self: fakeredis.FakeRedis(server=server))
+        return redis_opener(open_stores)
+
+
+class TestRealRedisContract(BackendContract):
+    @pytest.fixture
+    def make_store(self, open_stores, redis_server):
+        return redis_opener(open_stores, url=redis_server.url)
+
+
+class TestRedisClusterContract(BackendContract):
+    @pytest.fixture
+    def make_store(self, open_stores, redis_cluster):
+        return redis_opener(open_stores, url=redis_cluster.url, cluster=True)
+
+
+def test_the_server_evicts_under_maxmemory(open_stores, redis_server) -> None:
+    store = open_stores(backend="redis", namespace=unique_name(), redis={"url": redis_server.url})
+    for i in range(120):
+        assert store.put(f"k{i}", payload(f"k{i}", 1 << 20)), i
+    present = store.contains([f"k{i}" for i in range(120)])
+    assert present[-1] and not all(present), "allkeys-lru made room"
+    assert store.get(b"k119") == payload("k119", 1 << 20)
+
+
+def call_with_deadline(function, seconds: float = 20):
+    """Run `function`; fail the test if it hangs (a guard, not a speed measurement)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(("ok", function()))
+        except Exception as exc:
+            outcome.append(("error", exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"{function} hung for {seconds} s"
+    return outcome[0]
+
+
+def test_a_stopped_server_fails_fast_and_work_resumes(open_stores, tmp_path) -> None:
+    server = RedisServer(tmp_path / "flaky").start()
+    try:
+        store = open_stores(backend="redis", namespace=unique_name(),
+                            redis={"url": server.url, "timeout": 0.3, "connect_timeout": 0.3})
+        assert store.put(b"before", b"1")
+        server.stop()
+        for operation in (lambda: store.get(b"before"), lambda: store.put(b"x", b"1"),
+                          lambda: store.contains([b"before", b"x"])):
+            status, result = call_with_deadline(operation)
+            assert status == "error" and isinstance(result, maru.BackendError), result
+        server.start()
+        assert store.put(b"after", b"2")
+        assert store.get(b"after") == b"2"
+    finally:
+        server.stop()
+
+
+def test_an_unreachable_server_is_a_backend_error(open_stores) -> None:
+    from tests.redis_servers import free_port
+
+    store = open_stores(backend="redis", redis={"url": f"redis://127.0.0.1:{free_port()}/0"})
+    with pytest.raises(maru.BackendError, match="Connection"):
+        store.get(b"k")
+
+
+def test_server_errors_such_as_oom_are_backend_errors(open_stores, tmp_path) -> None:
+    server = RedisServer(tmp_path / "tiny", "--maxmemory", "1mb",
+                         "--maxmemory-policy", "noeviction").start()
+    try:
+        store = open_stores(backend="redis", redis={"url": server.url})
+        with pytest.raises(maru.BackendError, match="OutOfMemoryError|OOM"):
+            for i in range(10):
+                store.put(f"k{i}", bytes(1 << 20))
+    finally:
+        server.stop()
+
+
+def test_namespaces_share_one_server_without_seeing_each_other(open_stores, redis_server):
+    first = open_stores(backend="redis", namespace="a", redis={"url": redis_server.url,
+                                                                "key_prefix": unique_name()})
+    second = open_stores(backend="redis", namespace="b",
+                         redis={"url": redis_server.url, "key_prefix": first.options.key_prefix})
+    first.put(b"k", b"from a")
+    assert second.get(b"k") is None
+    assert second.put(b"k", b"from b")
+    assert first.get(b"k") == b"from a"
+
+
+def test_ttl_expires_objects(open_stores, redis_server) -> None:
+    store = open_stores(backend="redis", namespace=unique_name(),
+                        redis={"url": redis_server.url, "ttl": 30})
+    store.put(b"k", b"v")
+    assert 0 < store._client.pttl(store._key(b"k")) <= 30_000
+
+
+def test_the_password_is_never_shown(monkeypatch, capsys) -> None:
+    from maru.cli import main
+
+    monkeypatch.setenv("MARU_BACKEND", "redis")
+    monkeypatch.setenv("MARU_REDIS__PASSWORD", "hunter2")
+    monkeypatch.setenv("MARU_REDIS__URL", "redis://cache.example:6380/1")
+    assert main(["config", "show"]) == 0
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out
+    assert "redis.password" in out and "Redis at redis://cache.example:6380" in out
+    config = maru.load_config()
+    assert "hunter2" not in repr(config)
+    assert config.redis.password.get_secret_value() == "hunter2"
+
+
+@pytest.mark.parametrize("url", ["http://x", "localhost:6379", ""])
+def test_urls_of_other_schemes_are_config_errors(url: str) -> None:
+    with pytest.raises(maru.ConfigError, match=r"redis\.url = .*scheme"):
+        maru.load_config(backend="redis", redis={"url": url})

@@ -1,0 +1,111 @@
+"""The tiered backend: shm in front of Redis, promotion, and tiers that fail."""
+
+from __future__ import annotations
+
+import pytest
+
+import maru
+from maru.backends.shm import shm_path
+from maru.testing import BackendContract, payload
+from tests.conftest import unique_name
+from tests.redis_servers import RedisServer, free_port
+from tests.test_redis_backend import redis_server  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def tiered(open_stores, redis_server):  # noqa: F811
+    """Open shm-over-redis stores with private pool and key names."""
+    pools: list[str] = []
+
+    def make(capacity: int = 8 << 20, url: str | None = None, **shm) -> maru.Backend:
+        pools.append(unique_name("tier"))
+        return open_stores(backend="tiered", capacity=capacity, namespace=unique_name(),
+                           tiered={"tiers": ["shm", "redis"]},
+                           shm={"name": pools[-1], **shm},
+                           redis={"url": url or redis_server.url})
+
+    yield make
+    for pool in pools:
+        shm_path(pool).unlink(missing_ok=True)
+
+
+class TestTieredContract(BackendContract):
+    @pytest.fixture
+    def make_store(self, tiered):
+        return tiered
+
+
+def test_a_put_reaches_every_tier(tiered) -> None:
+    store = tiered()
+    assert store.put(b"k", b"both")
+    shm, redis = store.tiers
+    assert shm.get(b"k") == b"both" and redis.get(b"k") == b"both"
+
+
+def test_a_reservation_commits_to_every_tier(tiered) -> None:
+    store = tiered()
+    with store.reserve(b"k", 4) as buffer:
+        buffer[:] = b"zero"
+    assert [tier.get(b"k") for tier in store.tiers] == [b"zero", b"zero"]
+
+
+def test_a_lower_tier_hit_is_copied_into_the_tiers_above(tiered) -> None:
+    store = tiered()
+    shm, redis = store.tiers
+    redis.put(b"k", payload("k", 5000))
+    out = bytearray(8000)
+    assert store.get_into(b"k", out) == 5000
+    assert bytes(out[:5000]) == payload("k", 5000)
+    assert shm.get(b"k") == payload("k", 5000)
+
+
+def test_lookups_ask_a_lower_tier_only_about_what_is_missing_above(tiered, monkeypatch):
+    store = tiered()
+    shm, redis = store.tiers
+    shm.put(b"a", b"1")
+    redis.put(b"b", b"2")
+    asked: list[list[bytes]] = []
+    original = redis.contains
+    monkeypatch.setattr(redis, "contains", lambda keys: asked.append(list(keys)) or
+                        original(keys))
+    assert store.contains([b"a", b"b", b"c"]) == [True, True, False]
+    assert asked == [[b"b", b"c"]]
+
+
+def test_a_failing_lower_tier_never_breaks_the_tier_above(tiered) -> None:
+    store = tiered(url=f"redis://127.0.0.1:{free_port()}/0")
+    assert store.put(b"k", b"local")
+    assert store.get(b"k") == b"local"
+    assert store.contains([b"k", b"missing"]) == [True, False]
+    with store.reserve(b"r", 3) as buffer:
+        buffer[:] = b"abc"
+    assert store.get(b"r") == b"abc"
+    assert store.get(b"missing") is None
+
+
+def test_a_lost_lower_tier_mid_run_only_costs_its_copies(tiered, tmp_path) -> None:
+    server = RedisServer(tmp_path / "lower").start()
+    store = tiered(url=server.url)
+    store.put(b"before", b"1")
+    server.stop()
+    assert store.put(b"after", b"2")
+    assert store.get(b"before") == b"1" and store.get(b"after") == b"2"
+
+
+def test_every_tier_failing_is_a_backend_error(tiered, monkeypatch) -> None:
+    store = tiered(url=f"redis://127.0.0.1:{free_port()}/0")
+
+    def broken(*args, **kwargs):
+        raise maru.BackendError("shm broken for the test")
+
+    monkeypatch.setattr(store.tiers[0], "contains", broken)
+    with pytest.raises(maru.BackendError, match="every tier failed a lookup"):
+        store.contains([b"k"])
+
+
+@pytest.mark.parametrize(("tiers", "problem"), [
+    (["shm"], "at least 2"), (["shm", "shm"], "each backend may appear once"),
+    (["shm", "tiered"], "cannot itself be 'tiered'")])
+def test_tier_lists_are_validated(tiers, problem) -> None:
+    with pytest.raises(maru.ConfigError, match=problem):
+        maru.load_config(backend="tiered", tiered={"tiers": tiers})
