@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.maru-installed
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: test demo bench lint venv clean
+.PHONY: test demo bench lint venv clean redis-server
 
 venv: $(STAMP)
 
@@ -24,7 +24,17 @@ $(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.to
 lint: $(STAMP)
 	$(BIN)/ruff check maru tests examples
 
-test: lint
+# The Redis tests start their own redis-server processes on loopback ports.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing redis-server (Debian package) ..."; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
+	  else \
+	    echo "redis-server is missing: run 'sudo apt-get install -y redis-server'"; exit 1; \
+	  fi; }
+
+test: lint redis-server
 	$(BIN)/python -m pytest
 
 demo: $(STAMP)
@@ -33,6 +43,6 @@ demo: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
-bench: $(STAMP)
-	$(BIN)/maru bench --backend shm --backend cxl --backend mock
+bench: $(STAMP) redis-server
+	$(BIN)/maru bench --backend shm --backend cxl --backend redis --backend mock
 	$(BIN)/python benchmarks/e2e_vllm.py

@@ -10,9 +10,12 @@ import itertools
 import os
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,8 +46,15 @@ class SizeResult:
         return self.get_into_gbps / self.memcpy_gbps
 
 
-def bench_config(backend: str, capacity: int) -> maru.MaruConfig:
-    """A private pool for the benchmark, so it never touches a serving pool."""
+REDIS_SETTINGS = ("--maxmemory", "3gb", "--maxmemory-policy", "allkeys-lru", "--save", "",
+                  "--appendonly", "no")
+"""The server the redis benchmark starts: the settings the README recommends."""
+
+
+@contextmanager
+def bench_config(backend: str, capacity: int) -> Iterator[maru.MaruConfig]:
+    """A private pool (or, for redis, a private local server) for the benchmark, so it
+    never touches a serving store."""
     tag = f"bench-{os.getpid()}"
     sections: dict[str, Any] = {
         "mock": {"mock": {"name": tag}},
@@ -53,7 +63,18 @@ def bench_config(backend: str, capacity: int) -> maru.MaruConfig:
             "cxl": {"mode": "emulated", "device": f"/dev/shm/maru-{tag}-cxl", "prefault": True}
         },
     }
-    return maru.load_config(backend=backend, capacity=capacity, **sections.get(backend, {}))
+    if backend != "redis":
+        yield maru.load_config(backend=backend, capacity=capacity, **sections.get(backend, {}))
+        return
+    from maru.redis_server import RedisServer
+
+    with tempfile.TemporaryDirectory() as directory:
+        server = RedisServer(Path(directory), *REDIS_SETTINGS).start()
+        try:
+            yield maru.load_config(backend="redis", capacity=capacity,
+                                   redis={"url": server.url, "timeout": 5})
+        finally:
+            server.stop()
 
 
 def _median_seconds(action: Callable[[], object], repeats: int) -> float:
@@ -110,20 +131,18 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Benchmark one backend; the report as plain data."""
-    config = bench_config(backend, capacity)
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-    store = maru.open_store(config)
-    try:
-        results = []
-        for run, size in enumerate(sizes):
-            progress(f"{backend}: {size // KIB} KiB objects ...")
-            results.append(bench_size(store, size, run))
-        progress(f"{backend}: latency ...")
-        latency = bench_latency(store)
-    finally:
-        if hasattr(store, "destroy"):
-            store.destroy()
-        store.close()
+    with bench_config(backend, capacity) as config, maru.open_store(config) as store:
+        try:
+            results = []
+            for run, size in enumerate(sizes):
+                progress(f"{backend}: {size // KIB} KiB objects ...")
+                results.append(bench_size(store, size, run))
+            progress(f"{backend}: latency ...")
+            latency = bench_latency(store)
+        finally:
+            if hasattr(store, "destroy"):
+                store.destroy()
     return {
         "backend": backend,
         "sizes": [

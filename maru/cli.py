@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backend",
         action="append",
-        choices=("shm", "cxl", "mock"),
+        choices=("shm", "cxl", "mock", "redis"),
         help="backend to measure (repeatable; default shm)",
     )
     bench.set_defaults(run=cmd_bench)

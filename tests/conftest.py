@@ -45,3 +45,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     from maru.engine import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real redis-server on a free loopback port, evicting as the README recommends."""
+    from maru.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"), "--maxmemory", "64mb",
+                         "--maxmemory-policy", "allkeys-lru").start()
+    yield server
+    server.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import maru
 from maru.backends.shm import shm_path
 from maru.engine import build_tiny_llama, run_engine
 from tests.conftest import unique_name
@@ -89,3 +90,36 @@ def test_two_models_on_one_pool_never_hit_each_other(tiny_model, tmp_path, shm_p
     assert other.external_cached_tokens == [0]
     again = run_engine(tiny_model, PROMPTS_A[:1], kv_transfer_config=config)
     assert again.external_cached_tokens == [SHARED + TAIL - TAIL % CHUNK]
+
+
+def test_engines_sharing_nothing_but_a_redis_server(tiny_model, baseline, redis_server):
+    config = maru_config("redis", redis={"url": redis_server.url, "key_prefix": unique_name()})
+    run_engine(tiny_model, PROMPTS_A, kv_transfer_config=config)
+    engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config)
+    assert engine_b.external_cached_tokens == [SHARED, 0, 0]
+    assert engine_b.token_ids == baseline["B"]
+
+
+def test_tiered_shm_in_front_of_redis(tiny_model, baseline, redis_server, shm_pool):
+    redis = {"url": redis_server.url, "key_prefix": unique_name()}
+    node_1 = maru_config("tiered", tiered={"tiers": ["shm", "redis"]}, shm={"name": shm_pool},
+                         redis=redis)
+    run_engine(tiny_model, PROMPTS_A, kv_transfer_config=node_1)
+    same_node = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=node_1)
+    assert same_node.external_cached_tokens == [SHARED, 0, 0]
+    assert same_node.token_ids == baseline["B"]
+    with maru.open_store(maru.load_config(backend="shm", capacity="256MiB",
+                                          shm={"name": shm_pool})) as pool:
+        assert pool.stats().hits == SHARED // CHUNK, "engine B was served from shm"
+    other_pool = unique_name("e2e")
+    node_2 = maru_config("tiered", tiered={"tiers": ["shm", "redis"]},
+                         shm={"name": other_pool}, redis=redis)
+    try:
+        other_node = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=node_2)
+        assert other_node.external_cached_tokens == [SHARED, 0, 0], "served from redis"
+        assert other_node.token_ids == baseline["B"]
+        with maru.open_store(maru.load_config(backend="shm", capacity="256MiB",
+                                              shm={"name": other_pool})) as pool:
+            assert pool.stats().objects >= SHARED // CHUNK, "copied into this node's shm"
+    finally:
+        shm_path(other_pool).unlink(missing_ok=True)

@@ -10,17 +10,9 @@ import pytest
 
 import maru
 from maru.backends.redis import RedisBackend
+from maru.redis_server import RedisCluster, RedisServer
 from maru.testing import BackendContract, payload
 from tests.conftest import unique_name
-from tests.redis_servers import RedisCluster, RedisServer
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"), "--maxmemory", "64mb",
-                         "--maxmemory-policy", "allkeys-lru").start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +94,7 @@ def test_a_stopped_server_fails_fast_and_work_resumes(open_stores, tmp_path) -> 
 
 
 def test_an_unreachable_server_is_a_backend_error(open_stores) -> None:
-    from tests.redis_servers import free_port
+    from maru.redis_server import free_port
 
     store = open_stores(backend="redis", redis={"url": f"redis://127.0.0.1:{free_port()}/0"})
     with pytest.raises(maru.BackendError, match="Connection"):
@@ -114,7 +106,7 @@ def test_server_errors_such_as_oom_are_backend_errors(open_stores, tmp_path) -> 
                          "--maxmemory-policy", "noeviction").start()
     try:
         store = open_stores(backend="redis", redis={"url": server.url})
-        with pytest.raises(maru.BackendError, match="OutOfMemoryError|OOM"):
+        with pytest.raises(maru.BackendError, match=r"OutOfMemoryError|OOM"):
             for i in range(10):
                 store.put(f"k{i}", bytes(1 << 20))
     finally:

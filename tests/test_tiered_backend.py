@@ -6,14 +6,13 @@ import pytest
 
 import maru
 from maru.backends.shm import shm_path
+from maru.redis_server import RedisServer, free_port
 from maru.testing import BackendContract, payload
 from tests.conftest import unique_name
-from tests.redis_servers import RedisServer, free_port
-from tests.test_redis_backend import redis_server  # noqa: F401  (fixture)
 
 
 @pytest.fixture
-def tiered(open_stores, redis_server):  # noqa: F811
+def tiered(open_stores, redis_server):
     """Open shm-over-redis stores with private pool and key names."""
     pools: list[str] = []
 

@@ -1,4 +1,7 @@
-"""Real redis-server processes on free loopback ports, started and stopped by the tests."""
+"""Local redis-server processes on free loopback ports, for tests and benchmarks.
+
+They bind 127.0.0.1 only, persist nothing, and are stopped by whoever started them.
+"""
 
 from __future__ import annotations
 
