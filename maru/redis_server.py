@@ -15,10 +15,29 @@ INSTALL_HINT = ("redis-server is missing: `make test` installs it (apt-get insta
                 "redis-server); run that, or `apt-get install -y redis-server`")
 
 
-def free_port() -> int:
+CLUSTER_BUS_OFFSET = 10000
+"""A cluster node also listens on its port + 10000, which must exist and be free."""
+
+
+def free_port(*, cluster_bus: bool = False) -> int:
+    """A loopback port nobody listens on (and, for a cluster node, its bus port too)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if not cluster_bus:
+            return port
+        if port + CLUSTER_BUS_OFFSET <= 65535 and _is_free(port + CLUSTER_BUS_OFFSET):
+            return port
+
+
+def _is_free(port: int) -> bool:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def redis_binary(name: str = "redis-server") -> str:
@@ -75,7 +94,8 @@ class RedisCluster:
     def __init__(self, directory: Path) -> None:
         self.nodes = [RedisServer(directory / f"node{i}", "--cluster-enabled", "yes",
                                   "--cluster-config-file", "nodes.conf",
-                                  "--cluster-node-timeout", "2000") for i in range(3)]
+                                  "--cluster-node-timeout", "2000",
+                                  port=free_port(cluster_bus=True)) for i in range(3)]
 
     @property
     def url(self) -> str:

@@ -222,8 +222,18 @@ class Backend(ABC):
     @abstractmethod
     def _get(self, key: bytes) -> bytes | None: ...
 
-    @abstractmethod
-    def _get_into(self, key: bytes, out: memoryview) -> int | None: ...
+    def _get_into(self, key: bytes, out: memoryview) -> int | None:
+        """Default: `_get`, then one copy; backends that can read in place override it."""
+        data = self._get(key)
+        return None if data is None else self.copy_out(key, data, out)
+
+    def copy_out(self, key: bytes, data: Any, out: memoryview) -> int:
+        """Copy an object into `out`, or raise the too-small error and copy nothing."""
+        size = len(data)
+        if size > out.nbytes:
+            raise self.too_small(key, size, out)
+        out[:size] = data
+        return size
 
     @abstractmethod
     def _contains(self, keys: list[bytes]) -> list[bool]: ...

@@ -176,15 +176,6 @@ class RedisBackend(Backend):
         self._count(data is not None)
         return data
 
-    def _get_into(self, key: bytes, out: memoryview) -> int | None:
-        data = self._get(key)
-        if data is None:
-            return None
-        if len(data) > out.nbytes:
-            raise self.too_small(key, len(data), out)
-        out[: len(data)] = data
-        return len(data)
-
     def _contains(self, keys: list[bytes]) -> list[bool]:
         if not keys:
             return []

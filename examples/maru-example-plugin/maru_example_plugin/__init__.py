@@ -87,7 +87,7 @@ class DirStore(Backend):
             self._pending.discard(name)
             self._used -= len(buffer)
 
-    def _read(self, key: bytes) -> bytes | None:
+    def _get(self, key: bytes) -> bytes | None:
         name = hashlib.sha256(key).hexdigest()
         with self._lock:
             if name not in self._sizes:
@@ -96,18 +96,6 @@ class DirStore(Backend):
             self._sizes.move_to_end(name)
             self._hits += 1
             return self._file(name).read_bytes()
-
-    def _get(self, key: bytes) -> bytes | None:
-        return self._read(key)
-
-    def _get_into(self, key: bytes, out: memoryview) -> int | None:
-        data = self._read(key)
-        if data is None:
-            return None
-        if len(data) > out.nbytes:
-            raise self.too_small(key, len(data), out)
-        out[: len(data)] = data
-        return len(data)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
         with self._lock:
