@@ -151,3 +151,44 @@ def test_the_password_is_never_shown(monkeypatch, capsys) -> None:
 def test_urls_of_other_schemes_are_config_errors(url: str) -> None:
     with pytest.raises(maru.ConfigError, match=r"redis\.url = .*scheme"):
         maru.load_config(backend="redis", redis={"url": url})
+
+
+def test_a_unix_socket_url_works(open_stores, tmp_path) -> None:
+    socket_path = tmp_path / "redis.sock"
+    server = RedisServer(tmp_path / "unix", "--unixsocket", str(socket_path),
+                         "--unixsocketperm", "700").start()
+    try:
+        store = open_stores(backend="redis", namespace=unique_name(),
+                            redis={"url": f"unix://{socket_path}"})
+        assert store.put(b"k", b"over a socket")
+        assert store.get(b"k") == b"over a socket"
+    finally:
+        server.stop()
+
+
+def cluster_and_server_errors():
+    from redis import exceptions
+
+    return [exceptions.ConnectionError("refused"), exceptions.TimeoutError("read timed out"),
+            exceptions.ResponseError("OOM command not allowed"),
+            exceptions.MovedError("3999 127.0.0.1:6381"),
+            exceptions.AskError("3999 127.0.0.1:6381"),
+            exceptions.ClusterDownError("CLUSTERDOWN"), exceptions.TryAgainError("TRYAGAIN")]
+
+
+@pytest.mark.parametrize("error", cluster_and_server_errors(), ids=lambda e: type(e).__name__)
+def test_every_redis_failure_is_a_backend_error_the_connector_can_treat_as_a_miss(
+        open_stores, monkeypatch, error) -> None:
+    server = fakeredis.FakeServer()
+    monkeypatch.setattr(RedisBackend, "_connect", lambda self: fakeredis.FakeRedis(server=server))
+    store = open_stores(backend="redis", namespace=unique_name())
+
+    def fail(*args, **kwargs):
+        raise error
+
+    for command in ("get", "set", "exists", "delete"):
+        monkeypatch.setattr(store._client, command, fail)
+    for operation in (lambda: store.get(b"k"), lambda: store.put(b"k", b"v"),
+                      lambda: store.delete(b"k")):
+        with pytest.raises(maru.BackendError, match=type(error).__name__):
+            operation()
