@@ -178,6 +178,7 @@ class BlocksFirst(LayoutAdapter):
     vLLM >= 0.29 views into one shared buffer, block-first (cross-layer) layouts included."""
 
     name = "blocks-first"
+    description = "(NB, ...) tensors and vLLM >= 0.29 views, any KVCacheLayout"
 
     @classmethod
     def block_dim(cls, tensor: Any, num_blocks: int) -> int | None:
@@ -188,6 +189,7 @@ class KVFirst(LayoutAdapter):
     """(2, NB, ...) tensors: K and V half a buffer apart, so a block is two half-pages."""
 
     name = "kv-first"
+    description = "(2, NB, ...) tensors: K and V half a buffer apart"
 
     @classmethod
     def block_dim(cls, tensor: Any, num_blocks: int) -> int | None:

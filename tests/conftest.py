@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -10,6 +11,18 @@ import pytest
 
 import maru
 from maru.backends.base import Backend
+
+REQUIRED = ("torch", "vllm", "redis", "fakeredis")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse to run, loudly, without what the tests need (never skip them)."""
+    missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
+    if missing:
+        raise pytest.UsageError(
+            f"missing Python packages {', '.join(missing)}: run `make test`, which installs "
+            "them (pip install -e '.[test]')"
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -72,15 +72,15 @@ def test_config_check_accepts_a_good_file(capsys, tmp_path) -> None:
         (
             "backend: nosuch\n",
             "backend = 'nosuch' (from file {path}): no backend named 'nosuch' is "
-            "installed; allowed: cxl, dirstore, mock, shm",
+            "installed; allowed: cxl, dirstore, mock, redis, shm, tiered",
         ),
         (
             "chunk_tokens: [256]\n",
             "chunk_tokens = [256] (from file {path}): Input should be a valid integer",
         ),
         (
-            "redis:\n  url: redis://localhost\n",
-            "redis = {{'url': 'redis://localhost'}} (from file "
+            "s3:\n  url: s3://bucket\n",
+            "s3 = {{'url': 's3://bucket'}} (from file "
             "{path}): unknown key; allowed: backend",
         ),
     ],

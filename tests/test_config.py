@@ -160,11 +160,11 @@ def test_unusable_files_are_config_errors_naming_the_file(tmp_path, name, body, 
         (
             {"backend": "nosuch"},
             "backend = 'nosuch' (from argument): no backend named 'nosuch' is "
-            "installed; allowed: cxl, dirstore, mock, shm",
+            "installed; allowed: cxl, dirstore, mock, redis, shm, tiered",
         ),
         (
-            {"redis": {"url": "redis://x"}},
-            "redis = {'url': 'redis://x'} (from argument): unknown key; "
+            {"s3": {"url": "s3://x"}},
+            "s3 = {'url': 's3://x'} (from argument): unknown key; "
             "allowed: backend, namespace, capacity, chunk_tokens, error_backoff, "
             "config_file and the sections of installed backends",
         ),
@@ -209,7 +209,7 @@ def test_open_store_with_an_uninstalled_backend_lists_the_installed_ones() -> No
     with pytest.raises(
         maru.ConfigError,
         match=r"'nosuch' is installed; installed backends: "
-        r"cxl, dirstore, mock, shm",
+        r"cxl, dirstore, mock, redis, shm, tiered",
     ):
         get_plugin_manager().backend("nosuch")
 
