@@ -439,9 +439,15 @@ class MaruWorker:
             self.stats.add(load_errors=1)
             return False
         ids = torch.tensor(transfer.block_ids, dtype=torch.long)
-        for name, offset in self.adapter.layer_offsets(self.blocks_per_chunk).items():
-            self.adapter.write_layer(name, ids, self._staging[HEADER_BYTES + offset:],
-                                     self.blocks_per_chunk, transfer.first_block)
+        try:
+            for name, offset in self.adapter.layer_offsets(self.blocks_per_chunk).items():
+                self.adapter.write_layer(name, ids, self._staging[HEADER_BYTES + offset:],
+                                         self.blocks_per_chunk, transfer.first_block)
+        except Exception as exc:  # the blocks are reported, and vLLM recomputes them
+            log.error("maru: copying a chunk into the KV cache failed: %s: %s",
+                      type(exc).__name__, exc)
+            self.stats.add(load_errors=1)
+            return False
         self.stats.add(loads=1, loaded_bytes=size, load_seconds=time.perf_counter() - started)
         return True
 
@@ -588,7 +594,11 @@ class MaruKVConnector(KVConnectorBase_V1):
                       **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         if metadata.saves:
-            self._worker.save_layer(layer_name, metadata.saves)
+            try:
+                self._worker.save_layer(layer_name, metadata.saves)
+            except Exception as exc:  # a failed save is a future miss, never a failed step
+                self._worker.abort_saves(exc)
+                self._worker.store.failed(exc)
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():

@@ -204,3 +204,21 @@ def test_a_per_process_hash_seed_is_reported_once_at_start(tiny_model, caplog, m
         warn_if_hash_seed_is_per_process(config)
     messages = [r.getMessage() for r in caplog.records if "hash seed" in r.getMessage()]
     assert len(messages) == (1 if warned else 0)
+
+
+def test_a_copy_that_fails_mid_step_never_reaches_vllm(tiny_model, pool, monkeypatch) -> None:
+    source = kv_caches(1)
+    run_step(worker(tiny_model, pool, source),
+             MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
+    reader = worker(tiny_model, pool, kv_caches(None))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(reader._worker.adapter, "write_layer", broken)
+    monkeypatch.setattr(reader._worker.adapter, "read_layer", broken)
+    failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])],
+                                                    saves=[ChunkTransfer(b"k1", [1, 2])]))
+    assert failed == {11, 12}
+    with maru.open_store(backend="mock", mock={"name": pool}) as store:
+        assert store.contains([rank_key(b"k1", 0)]) == [False]
