@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
@@ -23,7 +23,8 @@ from maru.errors import BackendError
 from maru.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+FAILED = object()
+"""What `_attempt` returns for a tier that failed."""
 
 
 class TieredOptions(Options):
@@ -68,41 +69,29 @@ class TieredBackend(Backend):
     def describe(cls, options: Any) -> str:
         return " in front of ".join(options.tiers)
 
-    def _each(self, call: Callable[[Backend], T], what: str) -> list[tuple[Backend, T]]:
-        """`call` on every tier that does not fail; BackendError if all fail."""
-        answers, failures = [], []
-        for tier in self.tiers:
-            try:
-                answers.append((tier, call(tier)))
-            except BackendError as exc:
-                failures.append(f"{tier.name}: {exc}")
-        if not answers:
-            raise BackendError(f"every tier failed to {what}: " + "; ".join(failures))
-        for failure in failures:
-            log.warning("maru tier failed to %s, treated as a miss: %s", what, failure)
-        return answers
+    @staticmethod
+    def _attempt(tier: Backend, call: Callable[[Backend], Any], what: str) -> Any:
+        """`call(tier)`, or FAILED if the tier fails: for this call, a miss (logged)."""
+        try:
+            return call(tier)
+        except BackendError as exc:
+            log.warning("maru tier %s failed to %s, treated as a miss: %s", tier.name, what, exc)
+            return FAILED
 
     def _put(self, key: bytes, data: memoryview) -> bool:
         """The first tier that answers decides (first writer wins); the rest get copies."""
         for index, tier in enumerate(self.tiers):
-            try:
-                stored = tier.put(key, data)
-            except BackendError as exc:
-                log.warning("maru tier %s failed to store, skipped: %s", tier.name, exc)
-                continue
-            if stored:
-                self._store_in(self.tiers[index + 1:], key, data)
-            return stored
+            stored = self._attempt(tier, lambda t: t.put(key, data), "store")
+            if stored is not FAILED:
+                if stored:
+                    self._store_in(self.tiers[index + 1:], key, data)
+                return stored
         raise BackendError("every tier failed to put")
 
-    @staticmethod
-    def _store_in(tiers: list[Backend], key: bytes, data: Any) -> None:
+    def _store_in(self, tiers: list[Backend], key: bytes, data: Any) -> None:
         """Copies for other tiers: one that fails only loses its copy."""
         for tier in tiers:
-            try:
-                tier.put(key, data)
-            except BackendError as exc:
-                log.warning("maru tier %s failed to store a copy: %s", tier.name, exc)
+            self._attempt(tier, lambda t: t.put(key, data), "store a copy")
 
     def _begin(self, key: bytes, nbytes: int) -> tuple[Any, memoryview] | None:
         stack = ExitStack()
@@ -132,18 +121,14 @@ class TieredBackend(Backend):
 
     def _read(self, read: Callable[[Backend], Any]) -> tuple[int, Any]:
         """(index of the first tier that has it, what it returned), or (-1, None)."""
-        failures = 0
+        answers = []
         for index, tier in enumerate(self.tiers):
-            try:
-                found = read(tier)
-            except BackendError as exc:
-                failures += 1
-                log.warning("maru tier %s failed to read, treated as a miss: %s", tier.name, exc)
-                continue
-            if found is not None:
+            found = self._attempt(tier, read, "read")
+            if found is not FAILED and found is not None:
                 self._count(hit=True)
                 return index, found
-        if failures == len(self.tiers):
+            answers.append(found)
+        if all(answer is FAILED for answer in answers):
             raise BackendError("every tier failed to read")
         self._count(hit=False)
         return -1, None
@@ -167,11 +152,10 @@ class TieredBackend(Backend):
         for tier in self.tiers:
             if not missing:
                 break
-            try:
-                found = tier.contains([keys[i] for i in missing])
-            except BackendError as exc:
+            asked = [keys[i] for i in missing]
+            found = self._attempt(tier, lambda t, asked=asked: t.contains(asked), "look up")
+            if found is FAILED:
                 failures += 1
-                log.warning("maru tier %s failed a lookup, treated as misses: %s", tier.name, exc)
                 continue
             for index, present in zip(missing, found, strict=True):
                 answers[index] = present
@@ -181,7 +165,10 @@ class TieredBackend(Backend):
         return answers
 
     def _delete(self, key: bytes) -> bool:
-        return any(gone for _, gone in self._each(lambda t: t.delete(key), "delete"))
+        answers = [self._attempt(tier, lambda t: t.delete(key), "delete") for tier in self.tiers]
+        if all(answer is FAILED for answer in answers):
+            raise BackendError("every tier failed to delete")
+        return any(answer is True for answer in answers)
 
     def _count(self, *, hit: bool) -> None:
         with self._lock:
