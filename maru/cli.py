@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from maru.config import ResolvedConfig, resolve_config, shown_value
+from maru.config import ResolvedConfig, leaves, resolve_config, shown_value
 from maru.errors import BackendError, ConfigError, MaruError, PluginError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -77,17 +77,6 @@ def cmd_info(args: argparse.Namespace) -> Result:
     return Result(data, "\n".join(lines))
 
 
-def _flatten(values: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple, Any]]:
-    rows: list[tuple[tuple, Any]] = []
-    for key, value in values.items():
-        path = (*prefix, key)
-        if isinstance(value, dict):
-            rows.extend(_flatten(value, path))
-        else:
-            rows.append((path, value))
-    return rows
-
-
 def _shown_sections(resolved: ResolvedConfig) -> dict[str, Any]:
     config = resolved.config
     values = config.model_dump(mode="json", exclude_none=True)
@@ -100,7 +89,7 @@ def cmd_config_show(args: argparse.Namespace) -> Result:
     resolved = resolve_config(args.config)
     rows = [
         (".".join(path), shown_value(path, value), resolved.source_of(path))
-        for path, value in _flatten(_shown_sections(resolved))
+        for path, value in leaves(_shown_sections(resolved))
     ]
     data = {name: {"value": value, "source": source} for name, value, source in rows}
     width = max(len(name) for name, _, _ in rows)

@@ -216,7 +216,7 @@ class _Merger:
         source: str | None = None,
         env_names: Mapping[Path_, str] | None = None,
     ) -> None:
-        for path, value in _leaves(values):
+        for path, value in leaves(values):
             target = self.data
             for part in path[:-1]:
                 if not isinstance(target.get(part), dict):
@@ -226,15 +226,16 @@ class _Merger:
             self.sources[path] = env_names[path] if env_names else source or DEFAULT_SOURCE
 
 
-def _leaves(values: Mapping[str, Any], prefix: Path_ = ()) -> list[tuple[Path_, Any]]:
-    leaves: list[tuple[Path_, Any]] = []
+def leaves(values: Mapping[str, Any], prefix: Path_ = ()) -> list[tuple[Path_, Any]]:
+    """Every (path, value) under nested mappings; an empty mapping is a value."""
+    found: list[tuple[Path_, Any]] = []
     for key, value in values.items():
         path = (*prefix, str(key))
         if isinstance(value, Mapping) and value:
-            leaves.extend(_leaves(value, path))
+            found.extend(leaves(value, path))
         else:
-            leaves.append((path, value))
-    return leaves
+            found.append((path, value))
+    return found
 
 
 def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[Path_, str]]:
