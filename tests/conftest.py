@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -11,6 +12,7 @@ import pytest
 
 import maru
 from maru.backends.base import Backend
+from maru.backends.shm import shm_path
 
 REQUIRED = ("torch", "vllm", "redis", "fakeredis")
 
@@ -69,3 +71,34 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
                          "--maxmemory-policy", "allkeys-lru").start()
     yield server
     server.stop()
+
+
+def call_with_deadline(function, seconds: float = 20):
+    """Run `function`; fail the test if it hangs (a guard, not a speed measurement)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(("ok", function()))
+        except Exception as exc:
+            outcome.append(("error", exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"{function} hung for {seconds} s"
+    return outcome[0]
+
+
+@pytest.fixture
+def pool_names():
+    """Fresh pool names; their shared memory objects are removed at teardown."""
+    names: list[str] = []
+
+    def make() -> str:
+        names.append(unique_name("test"))
+        return names[-1]
+
+    yield make
+    for name in names:
+        shm_path(name).unlink(missing_ok=True)

@@ -44,10 +44,8 @@ def baseline(tiny_model):
 
 
 @pytest.fixture
-def shm_pool():
-    name = unique_name("e2e")
-    yield name
-    shm_path(name).unlink(missing_ok=True)
+def shm_pool(pool_names):
+    return pool_names()
 
 
 def test_a_second_engine_loads_the_shared_prefix_from_shm(tiny_model, baseline, shm_pool):

@@ -3,8 +3,6 @@ failures become BackendError, and work resumes when the server is back."""
 
 from __future__ import annotations
 
-import threading
-
 import fakeredis
 import pytest
 
@@ -12,7 +10,7 @@ import maru
 from maru.backends.redis import RedisBackend
 from maru.redis_server import RedisCluster, RedisServer
 from maru.testing import BackendContract, payload
-from tests.conftest import unique_name
+from tests.conftest import call_with_deadline, unique_name
 
 
 @pytest.fixture(scope="module")
@@ -56,23 +54,6 @@ def test_the_server_evicts_under_maxmemory(open_stores, redis_server) -> None:
     present = store.contains([f"k{i}" for i in range(120)])
     assert present[-1] and not all(present), "allkeys-lru made room"
     assert store.get(b"k119") == payload("k119", 1 << 20)
-
-
-def call_with_deadline(function, seconds: float = 20):
-    """Run `function`; fail the test if it hangs (a guard, not a speed measurement)."""
-    outcome: list = []
-
-    def run() -> None:
-        try:
-            outcome.append(("ok", function()))
-        except Exception as exc:
-            outcome.append(("error", exc))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert outcome, f"{function} hung for {seconds} s"
-    return outcome[0]
 
 
 def test_a_stopped_server_fails_fast_and_work_resumes(open_stores, tmp_path) -> None:

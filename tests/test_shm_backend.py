@@ -11,23 +11,8 @@ import maru
 from maru.backends import _pool
 from maru.backends.shm import shm_path
 from maru.testing import BackendContract, EvictionContract
-from tests.conftest import unique_name
 
 MIB = 2**20
-
-
-@pytest.fixture
-def pool_names():
-    """Fresh pool names; their shared memory objects are removed at teardown."""
-    names: list[str] = []
-
-    def make() -> str:
-        names.append(unique_name("test"))
-        return names[-1]
-
-    yield make
-    for name in names:
-        shm_path(name).unlink(missing_ok=True)
 
 
 class TestShmContract(BackendContract, EvictionContract):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import threading
 import time
 
 import numpy as np
 
 import maru
 from maru.testing import payload
-from tests.test_shm_backend import pool_names  # noqa: F401  (fixture)
+from tests.conftest import call_with_deadline
 
 MIB = 2**20
 SPAWN = multiprocessing.get_context("spawn")
@@ -49,7 +48,7 @@ def churn(name: str, seed: int, seconds: float, results) -> None:
     results.put((reads, wrong))
 
 
-def test_concurrent_writers_and_readers_never_see_a_wrong_object(pool_names) -> None:  # noqa: F811
+def test_concurrent_writers_and_readers_never_see_a_wrong_object(pool_names) -> None:
     name = pool_names()
     results = SPAWN.Queue()
     workers = [SPAWN.Process(target=churn, args=(name, seed, 4.0, results)) for seed in range(4)]
@@ -76,7 +75,7 @@ def reserve_and_hang(name: str, ready) -> None:
         time.sleep(600)
 
 
-def test_space_of_a_writer_killed_mid_reservation_comes_back(pool_names) -> None:  # noqa: F811
+def test_space_of_a_writer_killed_mid_reservation_comes_back(pool_names) -> None:
     name = pool_names()
     ready = SPAWN.Event()
     writer = SPAWN.Process(target=reserve_and_hang, args=(name, ready))
@@ -103,16 +102,7 @@ def die_holding_the_lock(name: str, ready) -> None:
         time.sleep(600)
 
 
-def call_with_deadline(function, seconds: float):
-    result: list = []
-    thread = threading.Thread(target=lambda: result.append(function()), daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert result, f"{function} did not return within {seconds} s: the pool hangs"
-    return result[0]
-
-
-def test_a_process_killed_holding_the_lock_does_not_hang_the_others(pool_names) -> None:  # noqa: F811
+def test_a_process_killed_holding_the_lock_does_not_hang_the_others(pool_names) -> None:
     name = pool_names()
     with open_pool(name) as store:
         store.put(b"kept", b"value")
@@ -122,7 +112,8 @@ def test_a_process_killed_holding_the_lock_does_not_hang_the_others(pool_names) 
         assert ready.wait(60)
         os.kill(holder.pid, signal.SIGKILL)
         holder.join()
-        stats = call_with_deadline(store.stats, 30)
+        status, stats = call_with_deadline(store.stats, 30)
+        assert status == "ok", stats
         assert stats.objects == 1, "the half-made change was rolled back"
         assert store.get(b"kept") == b"value"
         assert store.pool.info()["recoveries"] == 1
@@ -134,7 +125,7 @@ def write_and_exit(name: str) -> None:
         store.put(b"persistent", payload("persistent", 3 * MIB))
 
 
-def test_a_pool_outlives_the_process_that_wrote_it(pool_names) -> None:  # noqa: F811
+def test_a_pool_outlives_the_process_that_wrote_it(pool_names) -> None:
     name = pool_names()
     writer = SPAWN.Process(target=write_and_exit, args=(name,))
     writer.start()
@@ -153,7 +144,7 @@ def open_and_put(name: str, index: int, barrier, results) -> None:
         barrier.wait()
 
 
-def test_racing_creators_end_up_with_one_pool(pool_names) -> None:  # noqa: F811
+def test_racing_creators_end_up_with_one_pool(pool_names) -> None:
     name = pool_names()
     barrier, results = SPAWN.Barrier(4), SPAWN.Queue()
     racers = [
@@ -183,7 +174,7 @@ class RecycleDuringCopy:
         return self.real[item]
 
 
-def test_a_large_object_recycled_during_the_copy_is_a_miss(pool_names) -> None:  # noqa: F811
+def test_a_large_object_recycled_during_the_copy_is_a_miss(pool_names) -> None:
     with open_pool(pool_names()) as store:
         store.put(b"big", payload("big", 2 * MIB))
         store.pool._data_view = RecycleDuringCopy(store)
