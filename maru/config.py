@@ -9,8 +9,10 @@ value remembers where it came from, so errors and ``maru config show`` can say.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
+import logging
 import os
 import re
 import tomllib
@@ -25,6 +27,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     create_model,
     field_validator,
@@ -38,6 +41,10 @@ ENV_CONFIG_FILE = "MARU_CONFIG"
 ENV_NESTING = "__"
 DEFAULT_SOURCE = "default"
 SECRET_KEY_RE = re.compile(r"(^|_)(password|secret|token)$", re.IGNORECASE)
+ENV_JSON_RE = re.compile(r"^\s*(\[|\{|null\s*$)")
+"""Environment values that are JSON: lists, mappings and null (others stay strings)."""
+
+log = logging.getLogger(__name__)
 
 _SIZE_UNITS = {
     "": 1,
@@ -144,9 +151,34 @@ class MaruConfig(BaseModel):
             )
         return name
 
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> MaruConfig:
+        """Validate, with the sections of the installed backends when called on MaruConfig."""
+        model = config_model() if cls is MaruConfig else cls
+        return super(MaruConfig, model).model_validate(obj, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes, **kwargs: Any) -> MaruConfig:
+        """`model_validate` for JSON text."""
+        model = config_model() if cls is MaruConfig else cls
+        return super(MaruConfig, model).model_validate_json(json_data, **kwargs)
+
     def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
         """Pickle as data: the class with backend sections is made per process."""
-        return _config_from_dict, (self.model_dump(),)
+        return MaruConfig.model_validate, (self.model_dump(),)
+
+    def portable(self) -> dict[str, Any]:
+        """JSON-ready settings, secrets included, for handing this config to another
+        process (e.g. vLLM's `kv_connector_extra_config`); `model_dump(mode="json")`
+        masks secrets, which is right only for showing them."""
+        data = self.model_dump(mode="json", exclude_none=True, exclude={"config_file"})
+        for path, value in leaves(self.model_dump(exclude_none=True, exclude={"config_file"})):
+            if isinstance(value, SecretStr):
+                target = data
+                for part in path[:-1]:
+                    target = target[part]
+                target[path[-1]] = value.get_secret_value()
+        return data
 
     def backend_options(self, name: str | None = None) -> BaseModel:
         """The validated options section of backend `name` (default: the selected one)."""
@@ -165,10 +197,6 @@ def _config_model(backends: tuple[tuple[str, type[BaseModel]], ...]) -> type[Mar
     model = create_model("MaruConfig", __base__=MaruConfig, **sections)
     model.installed_backends = tuple(name for name, _ in backends)
     return model
-
-
-def _config_from_dict(data: dict[str, Any]) -> MaruConfig:
-    return config_model().model_validate(data)
 
 
 def config_model() -> type[MaruConfig]:
@@ -238,19 +266,73 @@ def leaves(values: Mapping[str, Any], prefix: Path_ = ()) -> list[tuple[Path_, A
     return found
 
 
-def _env_layer(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[Path_, str]]:
+def _env_layer(
+    env: Mapping[str, str], model: type[BaseModel]
+) -> tuple[dict[str, Any], dict[Path_, str]]:
+    """The `MARU_*` settings; an unknown variable is a warning, never an error, since a
+    stray variable in a serving environment must not stop vLLM from starting."""
     values: dict[str, Any] = {}
     names: dict[Path_, str] = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
             continue
         path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING))
+        if not _known_path(model, path):
+            log.warning("ignoring environment variable %s: maru has no such setting "
+                        "(the closest is %s)", name, _closest_env_name(model, path))
+            continue
         target = values
         for part in path[:-1]:
             target = target.setdefault(part, {})
-        target[path[-1]] = value
+        target[path[-1]] = _env_value(value)
         names[path] = f"env {name}"
     return values, names
+
+
+def _env_value(text: str) -> Any:
+    """A list, mapping or null written as JSON; anything else stays text for pydantic."""
+    if ENV_JSON_RE.match(text):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass  # validation then names the variable and its value
+    return text
+
+
+def _section_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+    """The model of the mapping field `key` of `model`, if it is one."""
+    annotation = model.model_fields[key].annotation if key in model.model_fields else None
+    nested = [
+        a
+        for a in getattr(annotation, "__args__", (annotation,))
+        if isinstance(a, type) and issubclass(a, BaseModel)
+    ]
+    return nested[0] if nested else None
+
+
+def _known_path(model: type[BaseModel], path: Path_) -> bool:
+    for part in path[:-1]:
+        nested = _section_model(model, part)
+        if nested is None:
+            return False
+        model = nested
+    return path[-1] in model.model_fields
+
+
+def _closest_env_name(model: type[BaseModel], path: Path_) -> str:
+    """The variable of the known setting whose name is closest to `path`."""
+    known = {ENV_NESTING.join(p).upper(): p for p in _setting_paths(model)}
+    wanted = ENV_NESTING.join(path).upper()
+    closest = difflib.get_close_matches(wanted, known, n=1, cutoff=0) or sorted(known)
+    return ENV_PREFIX + closest[0]
+
+
+def _setting_paths(model: type[BaseModel], prefix: Path_ = ()) -> list[Path_]:
+    paths: list[Path_] = []
+    for key in model.model_fields:
+        nested = _section_model(model, key)
+        paths.extend(_setting_paths(nested, (*prefix, key)) if nested else [(*prefix, key)])
+    return paths
 
 
 def read_config_file(path: Path, source: str) -> dict[str, Any]:
@@ -315,14 +397,14 @@ def resolve_config(
     if chosen:
         path, source = chosen
         merger.add(read_config_file(path, source), f"file {path}")
-    env_values, env_names = _env_layer(env)
+    model = config_model()
+    env_values, env_names = _env_layer(env, model)
     merger.add(env_values, env_names=env_names)
     merger.add(extra, "kv_connector_extra_config")
     merger.add(overrides, "argument")
     if chosen:
         merger.data["config_file"] = str(chosen[0])
         merger.sources[("config_file",)] = chosen[1]
-    model = config_model()
     try:
         config = model.model_validate(merger.data)
     except ValidationError as exc:
@@ -366,15 +448,10 @@ def config_error(
 
 def _allowed_keys(model: type[BaseModel], path: Path_) -> str:
     for part in path:
-        annotation = model.model_fields[part].annotation if part in model.model_fields else None
-        nested = [
-            a
-            for a in getattr(annotation, "__args__", (annotation,))
-            if isinstance(a, type) and issubclass(a, BaseModel)
-        ]
-        if not nested:
+        nested = _section_model(model, part)
+        if nested is None:
             return "(none)"
-        model = nested[0]
+        model = nested
     keys = ", ".join(model.model_fields)
     if not path and getattr(model, "installed_backends", None) is not None:
         return (

@@ -187,14 +187,68 @@ def test_bad_settings_name_field_value_source_and_what_is_allowed(settings, expe
 
 
 def test_every_problem_is_reported_at_once_with_its_source(tmp_path) -> None:
-    file = write(tmp_path / "m.json", {"capacity": "huge"})
-    env = {"MARU_CONFIG": file, "MARU_BOGUS": "1", "MARU_MOCK__LATENCY": "-1"}
+    file = write(tmp_path / "m.json", {"capacity": "huge", "bogus": 1})
+    env = {"MARU_CONFIG": file, "MARU_MOCK__LATENCY": "-1"}
     with pytest.raises(maru.ConfigError) as caught:
         maru.load_config(env=env)
     message = str(caught.value)
     assert f"capacity = 'huge' (from file {file})" in message
-    assert "bogus = '1' (from env MARU_BOGUS): unknown key" in message
+    assert f"bogus = 1 (from file {file}): unknown key" in message
     assert "mock.latency = '-1' (from env MARU_MOCK__LATENCY)" in message
+
+
+@pytest.mark.parametrize(
+    ("variable", "closest"),
+    [
+        ("MARU_CAPACTY", "MARU_CAPACITY"),
+        ("MARU_SHM__NAEM", "MARU_SHM__NAME"),
+        ("MARU_NAMESPACE__NAME", "MARU_NAMESPACE"),
+        ("MARU_REDIS_URL", "MARU_REDIS__URL"),
+    ],
+)
+def test_an_unknown_environment_variable_is_a_warning_naming_it_and_the_closest(
+    variable: str, closest: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="maru.config"):
+        config = maru.load_config(env={variable: "x", "MARU_CHUNK_TOKENS": "512"})
+    assert config.chunk_tokens == 512
+    assert caplog.messages == [f"ignoring environment variable {variable}: maru has no such "
+                               f"setting (the closest is {closest})"]
+
+
+def test_a_stray_maru_variable_does_not_stop_a_config_from_loading(caplog) -> None:
+    with caplog.at_level("WARNING", logger="maru.config"):
+        assert maru.load_config(env={"MARU_HOME": "/srv/maru"}).backend == "shm"
+    assert "MARU_HOME" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        lambda: maru.load_config(env={}, bogus=1),
+        lambda: maru.load_config(env={}, extra_config={"shm": {"bogus": 1}}),
+    ],
+)
+def test_unknown_keys_outside_the_environment_stay_errors(source) -> None:
+    with pytest.raises(maru.ConfigError, match=r"bogus = 1 .*unknown key"):
+        source()
+
+
+def test_lists_and_null_are_json_in_the_environment() -> None:
+    config = maru.load_config(env={
+        "MARU_TIERED__TIERS": '["mock", "shm"]',
+        "MARU_REDIS__TTL": "null",
+        "MARU_REDIS__KEY_PREFIX": "[not json",
+    })
+    assert config.tiered.tiers == ["mock", "shm"]
+    assert config.redis.ttl is None and "ttl" in config.redis.model_fields_set
+    assert config.redis.key_prefix == "[not json"
+
+
+def test_a_bad_json_list_in_the_environment_names_the_variable() -> None:
+    with pytest.raises(maru.ConfigError) as caught:
+        maru.load_config(env={"MARU_TIERED__TIERS": '["shm"'})
+    assert """tiered.tiers = '["shm"' (from env MARU_TIERED__TIERS)""" in str(caught.value)
 
 
 def test_config_is_immutable() -> None:
@@ -212,6 +266,41 @@ def test_open_store_with_an_uninstalled_backend_lists_the_installed_ones() -> No
         r"cxl, dirstore, mock, redis, shm, tiered",
     ):
         get_plugin_manager().backend("nosuch")
+
+
+ROUND_TRIP_SECTIONS = {
+    "cxl": {"mode": "emulated", "device": "/tmp/maru-cxl-round-trip"},
+    "redis": {"url": "redis://cache.example:6380/1", "password": "hunter2", "ttl": 30},
+    "tiered": {"tiers": ["shm", "redis"]},
+    "mock": {"seed": 3, "fail_rate": 0.5},
+    "shm": {"name": "elsewhere", "mode": "0660"},
+}
+
+
+def installed_backends() -> list[str]:
+    from maru.plugins import get_plugin_manager
+
+    return sorted(get_plugin_manager().backends)
+
+
+@pytest.mark.parametrize("backend", installed_backends())
+def test_every_config_round_trips_through_its_dump(backend: str) -> None:
+    section = ROUND_TRIP_SECTIONS.get(backend, {})
+    config = maru.load_config(env={}, backend=backend, capacity="1GiB", **{backend: section})
+    assert maru.MaruConfig.model_validate(config.model_dump()) == config
+    assert maru.MaruConfig.model_validate_json(json.dumps(config.portable())) == config
+    assert isinstance(maru.MaruConfig.model_validate({}), maru.MaruConfig)
+
+
+def test_secrets_reach_another_process_intact_and_are_masked_when_shown() -> None:
+    from maru.demo import connector_config
+
+    config = maru.load_config(env={}, redis=ROUND_TRIP_SECTIONS["redis"])
+    extra = connector_config(config)["kv_connector_extra_config"]
+    assert extra["redis"]["password"] == "hunter2"
+    received = maru.load_config(env={}, extra_config=extra)
+    assert received.redis.password.get_secret_value() == "hunter2"
+    assert "hunter2" not in config.model_dump_json() and "hunter2" not in repr(config)
 
 
 def test_a_config_travels_to_other_processes_by_pickle() -> None:
