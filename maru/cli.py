@@ -229,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", parents=[common], help="share a prompt prefix's KV")
     demo.add_argument("--config", metavar="FILE", help="config file (else MARU_CONFIG)")
-    demo.add_argument("--prompt-tokens", type=int, default=2000, metavar="N",
-                      help="length of the shared prompt (default 2000)")
+    demo.add_argument("--prompt-tokens", type=int, default=2049, metavar="N",
+                      help="length of the shared prompt, rounded down to whole chunks plus "
+                      "one token (default 2049)")
     demo.set_defaults(run=cmd_demo)
     return parser
 

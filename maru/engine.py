@@ -221,6 +221,8 @@ def run_engine(
         "llm_kwargs": dict(llm_kwargs or {}),
         "log_path": str(log_path) if log_path else None,
     }
+    if log_path:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
     start = time.perf_counter()
@@ -266,21 +268,24 @@ def _receive(recv: Any, proc: Any, timeout_s: float) -> tuple[str, Any]:
 
 
 def _no_result(exitcode: int | None) -> str:
-    """Explain a child that ended without sending a result."""
-    text = f"engine process exited with code {exitcode} and sent no result (see its stderr)"
+    """Explain a child that ended without sending a result.
+
+    The child reports every error of its job, so one that sent nothing died before the job
+    started (e.g. while re-importing the caller's main module) or was killed."""
+    text = (f"engine process exited with code {exitcode} before running its job "
+            "(its stderr says why)")
     if exitcode == 1:
-        text += "; if it failed while importing __main__, guard the caller with "
-        text += "`if __name__ == '__main__':` (spawn re-imports the main module)"
+        text += "; a script that calls run_engine needs an `if __name__ == '__main__':` guard"
     return text
 
 
 def _engine_child(job: dict[str, Any], send: Any) -> None:
     """Spawned process entry point: run the job, send ("ok", fields) or ("error", text)."""
-    if job["log_path"]:
-        log = os.open(job["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
     try:
+        if job["log_path"]:
+            log = os.open(job["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
         result: tuple[str, Any] = ("ok", _run_job(job))
     except BaseException:  # report everything, including SystemExit from vLLM
         result = ("error", traceback.format_exc())

@@ -80,17 +80,3 @@ def test_bench_reports_every_size_as_a_ratio_to_memcpy() -> None:
         assert row["put_gbps"] > 0 and row["get_into_gbps"] > 0
     assert set(report["latency"]) == {"contains_128_us", "put_4k_us", "get_4k_us"}
     assert "ratio to memcpy" in format_report(report)
-
-
-def test_the_demo_shares_a_prompt_between_two_vllm_engines(pool_config, tiny_model) -> None:
-    from maru.demo import format_report, run_demo
-
-    config, _ = pool_config
-    lines: list[str] = []
-    report = run_demo(maru.load_config(config), model=tiny_model, prompt_tokens=600, vocab=512,
-                      progress=lines.append)
-    assert report["tokens_loaded"] == 512, "two whole 256-token chunks"
-    assert report["identical"] is True
-    assert report["stats"]["objects"] == 2 and report["stats"]["hits"] == 2
-    assert len(lines) == 2 and "engine B" in lines[1]
-    assert "outputs identical: True" in format_report(report)

@@ -1,0 +1,82 @@
+"""`maru demo`, as a new user runs it: from a fresh home, and with a check that means something."""
+
+from __future__ import annotations
+
+import functools
+import mmap
+
+import numpy as np
+import pytest
+
+import maru.demo
+from maru.backends.shm import shm_path
+from maru.cli import main
+from maru.connector import HEADER_BYTES, HEADER_MAGIC
+from tests.conftest import unique_name
+
+
+@pytest.fixture
+def demo_pool(tmp_path):
+    """A config file naming a private shm pool, removed afterwards."""
+    name = unique_name("demo")
+    path = tmp_path / "maru.yaml"
+    path.write_text(f"backend: shm\ncapacity: 64MiB\nshm:\n  name: {name}\n")
+    yield str(path), name
+    shm_path(name).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def fresh_home(tmp_path, monkeypatch):
+    """A home with nothing in it, as on a new machine."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    return home
+
+
+@pytest.mark.slow
+def test_the_demo_runs_from_a_fresh_home(demo_pool, fresh_home, capsys) -> None:
+    config, _ = demo_pool
+    code = main(["demo", "--config", config, "--prompt-tokens", "600"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "prompt: 513 tokens" in out, "rounded down to whole chunks plus one token"
+    assert "tokens engine B loaded from maru: 512" in out
+    assert "(512 tokens cached)" in out, "A's own hit has the same length as B's"
+    assert "outputs identical (engine B's maru hit vs engine A's own cache hit): True" in out
+    assert (fresh_home / ".cache/maru/demo-engines.log").stat().st_size > 0
+    assert (fresh_home / ".cache/maru/models/demo-llama/config.json").is_file()
+
+
+def corrupt_one_chunk(pool: str) -> None:
+    """Overwrite the payload of the first stored chunk with random bytes (a stray writer)."""
+    with open(shm_path(pool), "r+b") as file, mmap.mmap(file.fileno(), 0) as region:
+        start = region.find(HEADER_MAGIC)
+        assert start >= 0, "engine A stored no chunk"
+        size = int.from_bytes(region[start + 32:start + 40], "little")
+        payload = start + HEADER_BYTES
+        noise = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+        region[payload:payload + size] = noise.tobytes()
+
+
+@pytest.mark.slow
+def test_the_demo_says_false_and_fails_when_a_stored_chunk_is_corrupted(
+    demo_pool, tiny_model, monkeypatch, capsys
+) -> None:
+    config, pool = demo_pool
+    corrupting = functools.partial(maru.demo.run_demo, model=tiny_model, vocab=512,
+                                   after_engine_a=lambda: corrupt_one_chunk(pool))
+    monkeypatch.setattr(maru.demo, "run_demo", corrupting)
+    code = main(["demo", "--config", config, "--prompt-tokens", "513"])
+    out, _ = capsys.readouterr()
+    assert "tokens engine B loaded from maru: 512" in out, "the corrupted chunk was loaded"
+    assert "outputs identical (engine B's maru hit vs engine A's own cache hit): False" in out
+    assert code == 1
+
+
+def test_a_prompt_shorter_than_a_chunk_is_a_usage_error(demo_pool, capsys) -> None:
+    config, _ = demo_pool
+    assert main(["demo", "--config", config, "--prompt-tokens", "100"]) == 2
+    assert "prompt_tokens = 100: too short to share a chunk; allowed: at least chunk_tokens " \
+           "+ 1 = 257" in capsys.readouterr().err
