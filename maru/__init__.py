@@ -14,6 +14,7 @@ from maru.backends.base import Backend, StoreStats
 from maru.config import MaruConfig, load_config
 from maru.errors import (
     BackendError,
+    BufferTooSmallError,
     ConfigError,
     InvalidKeyError,
     MaruError,
@@ -25,6 +26,7 @@ from maru.hookspecs import hookimpl
 __all__ = [
     "Backend",
     "BackendError",
+    "BufferTooSmallError",
     "ConfigError",
     "InvalidKeyError",
     "MaruConfig",

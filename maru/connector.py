@@ -13,7 +13,9 @@ Only chunk keys and block ids travel from scheduler to workers.
 
 The store is best-effort: a lookup error is a miss, a chunk that cannot be
 loaded is reported through `get_block_ids_with_load_errors` so vLLM recomputes
-it, and after an error the store is skipped for `error_backoff` seconds.
+it, and after an error the store is skipped for `error_backoff` seconds. What
+retrying cannot fix (bad configuration, an unknown tensor-parallel rank) turns
+the half off with one error instead.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import maru
 from maru.config import MaruConfig, load_config
-from maru.errors import ConfigError
+from maru.errors import (
+    BufferTooSmallError,
+    ConfigError,
+    InvalidKeyError,
+    ObjectTooLargeError,
+    PluginError,
+)
 from maru.layouts import LayoutAdapter, LayoutError, kv_tensor, recognise
 from maru.plugins import get_plugin_manager
 
@@ -54,6 +62,8 @@ log = logging.getLogger("vllm.maru")
 
 HEADER_BYTES = 64
 HEADER_MAGIC = b"MARUKV01"
+PERMANENT_ERRORS = (ConfigError, PluginError, InvalidKeyError, ObjectTooLargeError)
+"""Store errors that retrying cannot fix: they turn the half off instead of backing off."""
 
 
 # --- what travels between the halves -----------------------------------------
@@ -138,14 +148,17 @@ class MaruConnectorStats(KVConnectorStats):
 class StoreGuard:
     """Opens the store lazily and keeps it out of the way for a while after errors."""
 
-    def __init__(self, config: MaruConfig) -> None:
+    def __init__(self, config: MaruConfig, half: str) -> None:
         self.config = config
+        self.half = half
+        """Which half ("scheduler" or "worker"), for the logs."""
         self._store: maru.Backend | None = None
         self._retry_at = 0.0
+        self.disabled = False
 
     def available(self) -> maru.Backend | None:
-        """The store, or None while backing off after an error."""
-        if time.monotonic() < self._retry_at:
+        """The store, or None while backing off after an error or once disabled."""
+        if self.disabled or time.monotonic() < self._retry_at:
             return None
         if self._store is None:
             try:
@@ -156,10 +169,21 @@ class StoreGuard:
         return self._store
 
     def failed(self, exc: BaseException) -> None:
-        """Note an error: skip the store for `error_backoff` seconds."""
+        """Note an error: skip the store for `error_backoff` seconds, or for good if permanent."""
+        if isinstance(exc, PERMANENT_ERRORS):
+            self.disable(f"the {self.config.backend} store cannot work as configured: "
+                         f"{type(exc).__name__}: {exc}")
+            return
         log.warning("maru store error, skipping it for %.0f s: %s: %s",
                     self.config.error_backoff, type(exc).__name__, exc)
         self._retry_at = time.monotonic() + self.config.error_backoff
+
+    def disable(self, reason: str) -> None:
+        """Stop using the store until restart, saying why once."""
+        if not self.disabled:
+            self.disabled = True
+            log.error("maru: %s; the connector's %s half is off (vLLM computes everything "
+                      "itself) until restart", reason, self.half)
 
     def close(self) -> None:
         if self._store is not None:
@@ -207,7 +231,7 @@ class MaruScheduler:
             )
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.store = StoreGuard(config)
+        self.store = StoreGuard(config, "scheduler")
         self.stats = MaruConnectorStats()
         self.requests: dict[str, RequestState] = {}
         self._vllm_config = vllm_config
@@ -350,18 +374,23 @@ def none_hash_hex() -> str:
 
 
 def warn_if_hash_seed_is_per_process(vllm_config: VllmConfig) -> None:
-    """Say once when block hashes cannot match across processes."""
+    """Say once when block hashes cannot match across processes, and what fixes it here."""
     from vllm import __version__ as vllm_version
 
     if os.environ.get("PYTHONHASHSEED") is not None:
         return
     algorithm = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
     major_minor = tuple(int(p) for p in vllm_version.split(".")[:2] if p.isdigit())
-    if algorithm.startswith("xxhash") or (len(major_minor) == 2 and major_minor < (0, 29)):
-        log.warning("maru: vLLM's block-hash seed is random per process here (hash %s, vLLM %s, "
-                    "no PYTHONHASHSEED), so other instances can never hit this one's chunks; "
-                    "set PYTHONHASHSEED to one value everywhere, or use sha256",
-                    algorithm, vllm_version)
+    if len(major_minor) == 2 and major_minor < (0, 29):
+        advice = "set PYTHONHASHSEED to one value everywhere (before vLLM 0.29 every algorithm "
+        advice += "takes its seed from it)"
+    elif algorithm.startswith("xxhash"):
+        advice = "set PYTHONHASHSEED to one value everywhere, or use a sha256 algorithm"
+    else:
+        return
+    log.warning("maru: vLLM's block-hash seed is random per process here (hash %s, vLLM %s, "
+                "no PYTHONHASHSEED), so other instances can never hit this one's chunks; %s",
+                algorithm, vllm_version, advice)
 
 
 # --- worker half -------------------------------------------------------------
@@ -385,8 +414,12 @@ class MaruWorker:
                  kv_cache_config: Any) -> None:
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self.blocks_per_chunk = config.chunk_tokens // vllm_config.cache_config.block_size
-        self.rank = tensor_parallel_rank()
-        self.store = StoreGuard(config)
+        self.store = StoreGuard(config, "worker")
+        rank, tp_size = tensor_parallel_rank(), vllm_config.parallel_config.tensor_parallel_size
+        if rank is None and tp_size > 1:  # guessing 0 would load rank 0's share everywhere
+            self.store.disable(f"this worker's tensor-parallel rank is unknown with "
+                               f"tensor_parallel_size = {tp_size}")
+        self.rank = rank or 0
         self.stats = MaruConnectorStats()
         self.adapter: LayoutAdapter | None = None
         self.failed_blocks: set[int] = set()
@@ -430,7 +463,7 @@ class MaruWorker:
         key = rank_key(transfer.key, self.rank)
         try:
             size = store.get_into(key, self._staging)
-        except ValueError:
+        except BufferTooSmallError:
             size = None  # larger than a chunk in this layout: not ours to load
         except Exception as exc:
             self.store.failed(exc)
@@ -541,14 +574,14 @@ def _guess_num_blocks(kv_caches: dict[str, Any]) -> int:
     return int(tensor.shape[1] if tensor.dim() >= 3 and tensor.shape[0] == 2 else tensor.shape[0])
 
 
-def tensor_parallel_rank() -> int:
-    """This worker's tensor-parallel rank (0 outside a distributed setup)."""
+def tensor_parallel_rank() -> int | None:
+    """This worker's tensor-parallel rank; None when vLLM cannot tell (no distributed setup)."""
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank()
     except Exception:
-        return 0
+        return None
 
 
 # --- the connector vLLM loads --------------------------------------------------

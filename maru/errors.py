@@ -25,3 +25,7 @@ class InvalidKeyError(MaruError, ValueError):
 
 class ObjectTooLargeError(MaruError, ValueError):
     """An object that can never fit in the store, even when it is empty."""
+
+
+class BufferTooSmallError(MaruError, ValueError):
+    """`get_into` was given a buffer smaller than the object: nothing was copied."""

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 
 from maru.backends.base import MAX_KEY_BYTES, Backend
-from maru.errors import BackendError, InvalidKeyError, ObjectTooLargeError
+from maru.errors import BackendError, BufferTooSmallError, InvalidKeyError, ObjectTooLargeError
 
 KIB = 1024
 
@@ -101,7 +101,7 @@ class BackendContract:
         data = payload("k", 4 * KIB)
         store.put(b"k", data)
         out = bytearray(KIB)
-        with pytest.raises(ValueError, match="bytes"):
+        with pytest.raises(BufferTooSmallError, match="bytes"):
             store.get_into(b"k", out)
         assert out == bytearray(KIB)
         assert store.get(b"k") == data

@@ -33,12 +33,16 @@ def kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
     return caches
 
 
-def worker(tiny_model, pool: str, caches: dict[str, torch.Tensor], **mock) -> MaruKVConnector:
+def worker(tiny_model, pool: str, caches: dict[str, torch.Tensor], *, tp_size: int = 1,
+           settings: dict | None = None, **mock) -> MaruKVConnector:
+    """A worker-role connector over mock store `pool` (no distributed setup)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    extra = {"backend": "mock", "chunk_tokens": 64, "mock": {"name": pool, **mock}}
-    connector = MaruKVConnector(make_vllm_config(tiny_model, extra), KVConnectorRole.WORKER,
-                                make_kv_cache_config(NB))
+    extra = {"backend": "mock", "chunk_tokens": 64, "mock": {"name": pool, **mock},
+             **(settings or {})}
+    config = make_vllm_config(tiny_model, extra)
+    config.parallel_config.tensor_parallel_size = tp_size
+    connector = MaruKVConnector(config, KVConnectorRole.WORKER, make_kv_cache_config(NB))
     connector.register_kv_caches(caches)
     return connector
 
@@ -188,10 +192,19 @@ def test_stats_aggregate_across_workers_and_reduce_for_vllm_logs() -> None:
     assert second.lifetime["loads"] == 1
 
 
-@pytest.mark.parametrize(("algorithm", "seed", "warned"), [
-    ("xxhash", None, True), ("sha256", None, False), ("xxhash", "0", False)])
-def test_a_per_process_hash_seed_is_reported_once_at_start(tiny_model, caplog, monkeypatch,
-                                                           algorithm, seed, warned) -> None:
+@pytest.mark.parametrize(("version", "algorithm", "seed", "advice"), [
+    ("0.32.0", "xxhash", None, "set PYTHONHASHSEED to one value everywhere, or use a sha256"),
+    ("0.32.0", "xxhash_cbor", None, "or use a sha256 algorithm"),
+    ("0.32.0", "sha256", None, None),
+    ("0.32.0", "xxhash", "0", None),
+    ("0.28.0", "sha256", None, "set PYTHONHASHSEED to one value everywhere (before vLLM 0.29"),
+    ("0.28.0", "xxhash", None, "set PYTHONHASHSEED to one value everywhere (before vLLM 0.29"),
+    ("0.28.0", "sha256", "0", None),
+])
+def test_a_per_process_hash_seed_is_reported_once_with_advice_for_the_release(
+        tiny_model, caplog, monkeypatch, version, algorithm, seed, advice) -> None:
+    import vllm
+
     from maru.connector import warn_if_hash_seed_is_per_process
 
     if seed is None:
@@ -200,10 +213,15 @@ def test_a_per_process_hash_seed_is_reported_once_at_start(tiny_model, caplog, m
         monkeypatch.setenv("PYTHONHASHSEED", seed)
     config = make_vllm_config(tiny_model, {"backend": "mock"})
     config.cache_config.prefix_caching_hash_algo = algorithm
+    monkeypatch.setattr(vllm, "__version__", version)
     with caplog.at_level(logging.WARNING):
         warn_if_hash_seed_is_per_process(config)
     messages = [r.getMessage() for r in caplog.records if "hash seed" in r.getMessage()]
-    assert len(messages) == (1 if warned else 0)
+    assert len(messages) == (0 if advice is None else 1)
+    if advice is not None:
+        assert advice in messages[0]
+    if version == "0.28.0":
+        assert not any("or use" in message for message in messages), "sha256 is no cure there"
 
 
 def test_a_copy_that_fails_mid_step_never_reaches_vllm(tiny_model, pool, monkeypatch) -> None:
@@ -222,3 +240,65 @@ def test_a_copy_that_fails_mid_step_never_reaches_vllm(tiny_model, pool, monkeyp
     assert failed == {11, 12}
     with maru.open_store(backend="mock", mock={"name": pool}) as store:
         assert store.contains([rank_key(b"k1", 0)]) == [False]
+
+
+def logged_errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_an_object_too_big_for_a_chunk_is_a_miss_not_a_store_error(tiny_model, pool) -> None:
+    with maru.open_store(backend="mock", mock={"name": pool}) as store:
+        store.put(rank_key(b"k0", 0), bytes(HEADER_BYTES + 2 * LAYERS * 2 * 32 * 128 * 2 + 1))
+        reader = worker(tiny_model, pool, kv_caches(None))
+        failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [1, 2])]))
+    assert failed == {1, 2}
+    assert reader._worker.store.available() is not None, "no back-off for a miss"
+
+
+def test_an_invalid_key_is_not_taken_for_a_miss(tiny_model, pool, caplog) -> None:
+    reader = worker(tiny_model, pool, kv_caches(None), settings={"error_backoff": 0})
+    with caplog.at_level(logging.ERROR):
+        for _ in range(2):
+            failed = run_step(reader, MaruConnectorMetadata(
+                loads=[ChunkTransfer(b"k" * 600, [1, 2])]))
+            assert failed == {1, 2}
+    errors = logged_errors(caplog)
+    assert len(errors) == 1 and "InvalidKeyError" in errors[0], errors
+    assert reader._worker.store.available() is None, "off for good, even with no back-off"
+
+
+def test_a_store_that_cannot_open_as_configured_turns_the_worker_off_once(
+        tiny_model, pool, caplog, monkeypatch) -> None:
+    opened = []
+    real_open = maru.open_store
+    monkeypatch.setattr(maru, "open_store",
+                        lambda *args, **kw: opened.append(1) or real_open(*args, **kw))
+    with real_open(backend="mock", capacity="1MiB", mock={"name": pool}):
+        connector = worker(tiny_model, pool, kv_caches(1), settings={"error_backoff": 0})
+        with caplog.at_level(logging.WARNING):
+            for step in range(3):
+                failed = run_step(connector, MaruConnectorMetadata(
+                    loads=[ChunkTransfer(b"k0", [1, 2])], saves=[ChunkTransfer(b"k%d" % step,
+                                                                              [3, 4])]))
+                assert failed == {1, 2}
+    assert len(opened) == 1, "a ConfigError is not retried"
+    messages = [r.getMessage() for r in caplog.records if r.name == "vllm.maru"]
+    assert len(messages) == 1 and "ConfigError" in messages[0], messages
+    assert "worker half is off" in messages[0] and "capacity" in messages[0]
+
+
+def test_an_unknown_rank_with_tensor_parallelism_turns_the_worker_off(tiny_model, pool,
+                                                                      caplog) -> None:
+    source, target = kv_caches(1), kv_caches(None)
+    run_step(worker(tiny_model, pool, source),
+             MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
+    with caplog.at_level(logging.ERROR):
+        reader = worker(tiny_model, pool, target, tp_size=2)
+    errors = logged_errors(caplog)
+    assert len(errors) == 1 and "tensor-parallel rank is unknown" in errors[0], errors
+    failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])],
+                                                    saves=[ChunkTransfer(b"k1", [1, 2])]))
+    assert failed == {11, 12}, "rank 0's share is not loaded into an unknown rank"
+    assert not any(target[n].any() for n in LAYER_NAMES)
+    with maru.open_store(backend="mock", mock={"name": pool}) as store:
+        assert store.contains([rank_key(b"k1", 0), rank_key(b"k1", 1)]) == [False, False]

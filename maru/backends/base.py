@@ -10,6 +10,8 @@ Semantics, for every backend:
 - A full store evicts least-recently-used objects instead of failing; an
   object larger than the whole store raises `ObjectTooLargeError`.
 - A miss is `None`/`False`; a broken backend raises `BackendError`.
+- `get_into` with a buffer smaller than the object raises
+  `BufferTooSmallError` and copies nothing.
 
 Subclasses implement the underscored primitives; this class validates keys and
 buffers once, so every backend treats bad input the same way.
@@ -27,7 +29,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from maru.errors import BackendError, InvalidKeyError
+from maru.errors import BackendError, BufferTooSmallError, InvalidKeyError
 
 MAX_KEY_BYTES = 512
 """Longest key any backend accepts, in bytes (UTF-8 for str keys)."""
@@ -142,7 +144,7 @@ class Backend(ABC):
     def get_into(self, key: Key, out: Any) -> int | None:
         """Copy the object into `out` (any writable buffer); its size, or None on a miss.
 
-        If `out` is too small, raises ValueError and copies nothing.
+        If `out` is too small, raises BufferTooSmallError and copies nothing.
         """
         return self._get_into(self._open_key(key), byte_view(out, writable=True))
 
@@ -201,9 +203,9 @@ class Backend(ABC):
         return True
 
     @staticmethod
-    def too_small(key: bytes, size: int, out: memoryview) -> ValueError:
+    def too_small(key: bytes, size: int, out: memoryview) -> BufferTooSmallError:
         """The error for an output buffer that cannot hold the object."""
-        return ValueError(
+        return BufferTooSmallError(
             f"output buffer holds {out.nbytes} bytes but object {key!r} is {size} bytes"
         )
 
