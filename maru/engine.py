@@ -308,6 +308,8 @@ def _run_job(job: dict[str, Any]) -> dict[str, Any]:
     """Build the LLM and generate, in the child. Returns `EngineRun` fields."""
     os.environ.update(job["env"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not os.environ.get("XDG_CACHE_HOME"):  # empty means unset (XDG), not the cwd to vLLM
+        os.environ.pop("XDG_CACHE_HOME", None)
     extra_paths = job["env"].get("PYTHONPATH", "").split(os.pathsep)
     for entry in reversed([p for p in extra_paths if p]):
         if entry not in sys.path:
