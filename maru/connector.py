@@ -4,10 +4,11 @@
         "kv_connector_module_path": "maru.connector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"backend": "shm", "capacity": "8GiB"}}'
 
-The scheduler half looks up, in one batch per request, the longest stored
-prefix of whole chunks and tells vLLM how many tokens it can load; the worker
-half copies chunks between the store and the KV cache blocks. One object per
-chunk (`chunk_tokens`) per tensor-parallel rank holds every layer's pages,
+The scheduler half looks up, in one batch per request, which whole chunks are
+stored, tells vLLM how many tokens it can load, and plans the saves of the
+chunks the store lacks (also those vLLM holds in its own prefix cache); the
+worker half copies chunks between the store and the KV cache blocks. One object
+per chunk (`chunk_tokens`) per tensor-parallel rank holds every layer's pages,
 written into a reservation as layers are saved and committed only when whole.
 Only chunk keys and block ids travel from scheduler to workers.
 
@@ -212,9 +213,13 @@ class RequestState:
 
     request: Any
     keys: list[bytes]
+    stored: list[bool]
+    """Per chunk: not to save, as the store held it at the lookup (or, without an answer,
+    vLLM computed it earlier)."""
     block_ids: list[int] = field(default_factory=list)
     local_tokens: int = 0
-    saved_chunks: int = 0
+    planned_chunks: int = 0
+    """Chunks before this one are stored or have had their save planned."""
     loads: list[ChunkTransfer] = field(default_factory=list)
 
 
@@ -262,32 +267,41 @@ class MaruScheduler:
         return [prefix + bytes(hashes[(c + 1) * self.blocks_per_chunk - 1]) for c in range(count)]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond `num_computed_tokens` that can be loaded from the store."""
+        """Tokens beyond `num_computed_tokens` that can be loaded from the store.
+
+        Every chunk is looked up, also those vLLM holds itself: the store may have
+        lost them (restarted, evicted, down earlier), and then they are saved again.
+        """
         keys = self.chunk_keys(request)
-        state = RequestState(request, keys, local_tokens=num_computed_tokens)
-        self.requests[request.request_id] = state
-        first = num_computed_tokens // self.chunk_tokens
-        hit_chunks = first + self._leading_present(keys[first:])
-        state.saved_chunks = hit_chunks
+        local = num_computed_tokens // self.chunk_tokens
+        stored = self._stored(keys)
+        if stored is None:  # no answer: take vLLM's own chunks as stored, save the rest
+            stored = [chunk < local for chunk in range(len(keys))]
+        self.requests[request.request_id] = RequestState(request, keys, stored,
+                                                         local_tokens=num_computed_tokens)
+        hit_chunks = local
+        while hit_chunks < len(keys) and stored[hit_chunks]:
+            hit_chunks += 1
         hit_tokens = min(hit_chunks * self.chunk_tokens, request.num_prompt_tokens - 1)
         return max(0, hit_tokens - num_computed_tokens)
 
-    def _leading_present(self, keys: list[bytes]) -> int:
+    def _stored(self, keys: list[bytes]) -> list[bool] | None:
+        """Per chunk, whether the store holds every rank's share; None if it cannot say."""
+        if not keys:
+            return []
         store = self.store.available()
-        if not keys or store is None:
-            return 0
+        if store is None:
+            return None
         ranked = [rank_key(key, rank) for key in keys for rank in range(self.tp_size)]
         try:
             found = store.contains(ranked)
         except Exception as exc:
             self.stats.add(lookups=1, lookup_errors=1)
             self.store.failed(exc)
-            return 0
+            return None
         self.stats.add(lookups=1)
-        for index in range(len(keys)):
-            if not all(found[index * self.tp_size:(index + 1) * self.tp_size]):
-                return index
-        return len(keys)
+        n = self.tp_size
+        return [all(found[index * n:(index + 1) * n]) for index in range(len(keys))]
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -336,11 +350,11 @@ class MaruScheduler:
         state.loads = []
         complete = min(computed // self.chunk_tokens, len(state.keys))
         k = self.blocks_per_chunk
-        for chunk in range(state.saved_chunks, complete):
+        for chunk in range(state.planned_chunks, complete):
             block_ids = state.block_ids[chunk * k:(chunk + 1) * k]
-            if len(block_ids) == k:
+            if not state.stored[chunk] and len(block_ids) == k:
                 meta.saves.append(ChunkTransfer(state.keys[chunk], block_ids))
-        state.saved_chunks = max(state.saved_chunks, complete)
+        state.planned_chunks = max(state.planned_chunks, complete)
 
     def request_finished(self, request: Any) -> None:
         """Forget the request."""

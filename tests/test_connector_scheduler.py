@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from maru.connector import rank_key
+from tests import vllm_harness
 from tests.conftest import unique_name
 from tests.vllm_harness import SchedulerHarness
 
@@ -76,7 +77,61 @@ def test_only_the_leading_run_of_stored_chunks_is_a_hit(harness) -> None:
     output, meta = h.step()
     assert output.num_scheduled_tokens == {"second": 300 - 2 * CHUNK}
     assert len(meta.loads) == 2
-    assert [save.key for save in meta.saves] == h.chunk_keys(first)[2:4]
+    assert [save.key for save in meta.saves] == [h.chunk_keys(first)[2]], (
+        "the missing chunk is saved, the stored one after it is not")
+
+
+@pytest.fixture
+def prefix_caching(monkeypatch) -> None:
+    """vLLM's own prefix cache on in the harness, as in a serving engine."""
+    make_config = vllm_harness.make_vllm_config
+
+    def with_prefix_caching(*args, **kwargs):
+        config = make_config(*args, **kwargs)
+        config.cache_config.enable_prefix_caching = True
+        return config
+
+    monkeypatch.setattr(vllm_harness, "make_vllm_config", with_prefix_caching)
+
+
+def test_chunks_vllm_holds_are_saved_again_when_the_store_lost_them(harness,
+                                                                    prefix_caching) -> None:
+    h = harness()
+    first = h.add("first", tokens(300))
+    h.step()
+    keys = h.chunk_keys(first)
+    for key in keys:
+        h.store.delete(rank_key(key, 0))
+    h.add("again", tokens(300))
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"again": 300 - 9 * 32}, "vLLM's own cache hit"
+    blocks = h.block_ids("again")
+    assert meta.loads == []
+    assert [(save.key, save.block_ids) for save in meta.saves] == [
+        (keys[c], blocks[2 * c:2 * c + 2]) for c in range(4)]
+    h.add("once more", tokens(300))
+    _output, meta = h.step()
+    assert meta.saves == [], "stored again, so not saved a third time"
+
+
+def test_a_local_hit_loads_only_beyond_it_and_republishes_below(harness,
+                                                                prefix_caching) -> None:
+    h = harness()
+    h.add("first", tokens(300))
+    h.step()
+    longer = h.add("longer", tokens(600))
+    keys = h.chunk_keys(longer)
+    for key in keys[4:]:
+        h.store.put(rank_key(key, 0), b"pages")
+    for key in keys[:4]:
+        h.store.delete(rank_key(key, 0))
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"longer": 600 - 9 * CHUNK}
+    blocks = h.block_ids("longer")
+    assert [(load.key, load.block_ids, load.first_block) for load in meta.loads] == [
+        (keys[4], blocks[9:10], 1)] + [(keys[c], blocks[2 * c:2 * c + 2], 0)
+                                        for c in range(5, 9)], "blocks 0-8 are vLLM's own"
+    assert [save.key for save in meta.saves] == keys[:4]
 
 
 def test_one_batched_lookup_per_request(harness, monkeypatch) -> None:
