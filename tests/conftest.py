@@ -7,6 +7,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from multiprocessing.context import SpawnProcess
 
 import pytest
 
@@ -25,6 +26,34 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             f"missing Python packages {', '.join(missing)}: run `make test`, which installs "
             "them (pip install -e '.[test]')"
         )
+
+
+ENGINE_MODULE = "maru.engine"
+"""Where the function an engine process runs lives (`maru.engine.run_engine`)."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A test not marked slow that starts a vLLM engine process (in the test or in one
+    of its fixtures) fails, so `make check` (`-m "not slow"`) never runs an engine."""
+    if item.get_closest_marker("slow"):
+        return (yield)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SpawnProcess, "start", _refusing_engines(SpawnProcess.start))
+        return (yield)
+
+
+def _refusing_engines(start: Callable[[SpawnProcess], None]) -> Callable[[SpawnProcess], None]:
+    """`start` that fails the running test instead of starting a vLLM engine process."""
+
+    def start_unless_engine(process: SpawnProcess) -> None:
+        target = getattr(process, "_target", None)
+        if getattr(target, "__module__", None) == ENGINE_MODULE:
+            pytest.fail("this test starts a vLLM engine process: mark it @pytest.mark.slow "
+                        "(`make check` leaves slow tests out)", pytrace=False)
+        start(process)
+
+    return start_unless_engine
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +94,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory):
     """A real redis-server on a free loopback port, evicting as the README recommends."""
-    from maru.redis_server import RedisServer
+    from tests.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis"), "--maxmemory", "64mb",
                          "--maxmemory-policy", "allkeys-lru").start()

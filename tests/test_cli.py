@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
+from maru.bench import run_bench
 from maru.cli import main
+from tests.redis_server import free_port
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -115,3 +117,30 @@ def test_the_installed_command_never_prints_a_traceback(tmp_path) -> None:
         assert done.returncode == 2, argv
         assert "Traceback" not in done.stderr
         assert "error" in done.stderr
+
+
+def set_calls(client) -> int:
+    """How many SET commands the server has run."""
+    return client.info("commandstats").get("cmdstat_set", {}).get("calls", 0)
+
+
+def test_bench_redis_measures_the_server_the_config_names(redis_server, monkeypatch) -> None:
+    import redis
+
+    monkeypatch.setenv("MARU_REDIS__URL", redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+    sets_before = set_calls(client)
+    report = run_bench("redis", sizes=(64 * 1024,), capacity=2**20, progress=lambda line: None)
+    assert [row["size"] for row in report["sizes"]] == [64 * 1024]
+    sets = set_calls(client) - sets_before
+    assert sets >= 200 + 2000, "every put of the benchmark went to the configured server"
+    assert client.keys("maru:bench-*") == [], "the benchmark deletes what it wrote"
+
+
+def test_bench_redis_names_an_unreachable_server_from_the_config_file(capsys, tmp_path) -> None:
+    path = tmp_path / "maru.yaml"
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    path.write_text(f"redis:\n  url: {url}\n")
+    code, _, err = run_cli(capsys, "bench", "--backend", "redis", "--config", str(path))
+    assert code == 1
+    assert url.removesuffix("/0") in err and "Traceback" not in err

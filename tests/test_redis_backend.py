@@ -8,9 +8,9 @@ import pytest
 
 import maru
 from maru.backends.redis import RedisBackend
-from maru.redis_server import RedisCluster, RedisServer
 from maru.testing import BackendContract, payload
 from tests.conftest import call_with_deadline, unique_name
+from tests.redis_server import RedisCluster, RedisServer
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_a_stopped_server_fails_fast_and_work_resumes(open_stores, tmp_path) -> 
 
 
 def test_an_unreachable_server_is_a_backend_error(open_stores) -> None:
-    from maru.redis_server import free_port
+    from tests.redis_server import free_port
 
     store = open_stores(backend="redis", redis={"url": f"redis://127.0.0.1:{free_port()}/0"})
     with pytest.raises(maru.BackendError, match="Connection"):

