@@ -60,7 +60,9 @@ def test_a_second_engine_loads_the_shared_prefix_from_shm(tiny_model, baseline, 
     assert engine_b.token_ids == baseline["B"]
     totals = engine_b.extra["connector_totals"]
     assert (totals["loads"], totals["load_errors"]) == (SHARED // CHUNK, 0)
-    assert totals["lookups"] == 1, "prompts 2 and 3 were found in vLLM's own cache first"
+    assert (totals["lookups"], totals["saves"]) == (3, 0), (
+        "every prompt asks the store, also about what vLLM's own cache holds; nothing is "
+        "saved twice")
 
 
 def test_the_mock_backend_shares_within_one_engine(tiny_model, baseline):
@@ -123,3 +125,18 @@ def test_tiered_shm_in_front_of_redis(tiny_model, baseline, redis_server, shm_po
             assert pool.stats().objects >= SHARED // CHUNK, "copied into this node's shm"
     finally:
         shm_path(other_pool).unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_chunks_an_engine_holds_are_saved_again_once_the_store_lost_them(tiny_model, shm_pool):
+    """A pool of about 6.5 chunks: another prompt's 6 chunks evict the 4 of PROMPTS_A[0]."""
+    chunk_object = 64 + 2 * 2 * (2 * 32 * 128 * 2)  # header, 2 blocks x 2 layers x page
+    config = maru_config("shm", shm={"name": shm_pool}, capacity=chunk_object * 13 // 2)
+    other = np.random.default_rng(3).integers(1, 500, 6 * CHUNK + 10).tolist()
+    prompt = PROMPTS_A[0]
+    engine_a = run_engine(tiny_model, [prompt, other, prompt], kv_transfer_config=config)
+    assert engine_a.external_cached_tokens == [0, 0, 0], "the repeat hits vLLM's own cache"
+    assert engine_a.extra["connector_totals"]["saves"] == 4 + 6 + 4, "the repeat saved again"
+    engine_b = run_engine(tiny_model, [prompt], kv_transfer_config=config)
+    assert engine_b.external_cached_tokens == [4 * CHUNK]
+    assert engine_b.token_ids == engine_a.token_ids[2:]
