@@ -127,7 +127,6 @@ def test_tiered_shm_in_front_of_redis(tiny_model, baseline, redis_server, shm_po
         shm_path(other_pool).unlink(missing_ok=True)
 
 
-@pytest.mark.slow
 def test_chunks_an_engine_holds_are_saved_again_once_the_store_lost_them(tiny_model, shm_pool):
     """A pool of about 6.5 chunks: another prompt's 6 chunks evict the 4 of PROMPTS_A[0]."""
     chunk_object = 64 + 2 * 2 * (2 * 32 * 128 * 2)  # header, 2 blocks x 2 layers x page
