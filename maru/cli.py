@@ -121,7 +121,7 @@ POOL_ACTIONS = ("create", "stats", "clear", "destroy")
 
 
 def _open_pool(config_file: str | None, action: str) -> Any:
-    from maru.backends._pool import PoolBackend
+    from maru.backends.pool import PoolBackend
     from maru.plugins import get_plugin_manager
 
     config = resolve_config(config_file).config

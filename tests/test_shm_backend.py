@@ -8,7 +8,7 @@ import stat
 import pytest
 
 import maru
-from maru.backends import _pool
+from maru.backends.pool import region as pool_format
 from maru.backends.shm import shm_path
 from maru.testing import BackendContract, EvictionContract
 
@@ -48,8 +48,8 @@ def test_another_format_version_is_refused_not_reinterpreted(pool_names) -> None
     with open_shm(name) as store:
         store.put(b"k", b"v")
     with open(shm_path(name), "r+b") as region:
-        region.seek(8 * _pool.VERSION)
-        region.write((_pool.FORMAT_VERSION + 1).to_bytes(8, "little"))
+        region.seek(8 * pool_format.VERSION)
+        region.write((pool_format.FORMAT_VERSION + 1).to_bytes(8, "little"))
     with pytest.raises(maru.BackendError, match="format version 2, this maru reads version 1"):
         open_shm(name)
 

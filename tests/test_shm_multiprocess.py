@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 import maru
+from maru.backends.pool import region
+from maru.backends.pool.core import SMALL_COPY
 from maru.testing import payload
 from tests.conftest import call_with_deadline
 
@@ -99,7 +101,7 @@ def test_space_of_a_writer_killed_mid_reservation_comes_back(pool_names) -> None
 def die_holding_the_lock(name: str, ready) -> None:
     store = open_pool(name)
     with store.pool.locked():
-        store.pool._add(maru.backends._pool.OBJECTS, 1000)
+        store.pool.tables.add(region.OBJECTS, 1000)
         ready.set()
         time.sleep(600)
 
@@ -166,11 +168,11 @@ class RecycleDuringCopy:
     """Stands in for the pool's data view: recycles the object while it is being copied."""
 
     def __init__(self, store: maru.Backend) -> None:
-        self.store, self.real = store, store.pool._data_view
+        self.store, self.real = store, store.pool.tables.data_view
 
     def __getitem__(self, item: slice) -> memoryview:
-        if item.stop - item.start > maru.backends._pool.SMALL_COPY:
-            self.store.pool._data_view = self.real
+        if item.stop - item.start > SMALL_COPY:
+            self.store.pool.tables.data_view = self.real
             self.store.delete(b"big")
             for i in range(12):
                 self.store.put(f"filler{i}", b"\xff" * MIB)
@@ -180,7 +182,7 @@ class RecycleDuringCopy:
 def test_a_large_object_recycled_during_the_copy_is_a_miss(pool_names) -> None:
     with open_pool(pool_names()) as store:
         store.put(b"big", payload("big", 2 * MIB))
-        store.pool._data_view = RecycleDuringCopy(store)
+        store.pool.tables.data_view = RecycleDuringCopy(store)
         assert store.get(b"big") is None
         assert store.get(b"filler11") == b"\xff" * MIB
         assert store.stats().misses == 1

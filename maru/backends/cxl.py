@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from maru.backends._pool import Geometry, PoolBackend, RegionSpec
+from maru.backends.pool import Geometry, PoolBackend, RegionSpec
 from maru.backends.shm import FileMode, PoolName, shm_path
 from maru.config import Options, Size
 from maru.errors import BackendError, ConfigError

@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 
-from maru.backends._pool import PoolBackend, RegionSpec
+from maru.backends.pool import PoolBackend, RegionSpec
 from maru.config import Options
 from maru.errors import BackendError
 from maru.hookspecs import hookimpl

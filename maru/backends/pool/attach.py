@@ -1,0 +1,137 @@
+"""Opening pools: create or attach to a region, map it, and share it in-process.
+
+A process maps each pool once (keyed by the file's device and inode); every
+store that opens it is one more user, and the last one to close unmaps it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from maru.backends.pool.core import Pool
+from maru.backends.pool.locks import lock_region, unlock_region
+from maru.backends.pool.region import HEADER_BYTES, MAGIC, PAGE, Geometry, check_header
+from maru.errors import BackendError, ConfigError
+
+_open_pools: dict[tuple[int, int], Pool] = {}
+_open_pools_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """Where a pool's mapping comes from and how to make it.
+
+    `device_size` is set for a device that cannot be resized (devdax): the pool
+    must fit in it. `before_init` runs on a new mapping before any page is
+    written (NUMA binding).
+    """
+
+    path: str
+    capacity: int
+    label: str
+    align: int = PAGE
+    mode: int = 0o600
+    create: bool = True
+    prefault: bool = False
+    device_size: int | None = None
+    before_init: Callable[[mmap.mmap], None] | None = None
+
+
+def attach(spec: RegionSpec) -> Pool:
+    """The pool at `spec.path`, created atomically if missing; shared within the process."""
+    geometry = Geometry.for_capacity(spec.capacity, spec.align)
+    if spec.device_size is not None and geometry.total > spec.device_size:
+        raise ConfigError(
+            f"capacity = {spec.capacity}: needs {geometry.total} bytes with the index, but "
+            f"{spec.label} has {spec.device_size}; allowed: at most "
+            f"{spec.device_size - geometry.overhead} bytes"
+        )
+    fd = _open_file(spec)
+    try:
+        identity = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+        with _open_pools_lock:
+            pool = _open_pools.get(identity)
+            if pool is None:
+                pool = _map(fd, spec, geometry)
+                _open_pools[identity] = pool
+                fd = -1
+            elif pool.geometry != geometry:
+                check_header(pool.region, geometry, pool.label)
+            pool.users += 1
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if spec.prefault:
+        _prefault(pool)
+    return pool
+
+
+def detach(pool: Pool) -> None:
+    """Release one user of the pool; the last one unmaps it."""
+    with _open_pools_lock:
+        pool.users -= 1
+        if pool.users:
+            return
+        for identity, candidate in list(_open_pools.items()):
+            if candidate is pool:
+                del _open_pools[identity]
+    pool.close()
+
+
+def _open_file(spec: RegionSpec) -> int:
+    flags = os.O_RDWR | os.O_CLOEXEC
+    try:
+        if spec.create and spec.device_size is None:
+            try:
+                fd = os.open(spec.path, flags | os.O_CREAT | os.O_EXCL, spec.mode)
+                os.fchmod(fd, spec.mode)
+                return fd
+            except FileExistsError:
+                pass
+        return os.open(spec.path, flags)
+    except FileNotFoundError:
+        raise BackendError(f"{spec.label} does not exist") from None
+    except OSError as exc:
+        raise BackendError(f"cannot open {spec.label}: {exc.strerror or exc}") from None
+
+
+def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> Pool:
+    """Map the region and make it a pool: initialize a new one, check an existing one."""
+    lock_region(fd)
+    try:
+        device = spec.device_size is not None
+        size = spec.device_size if device else os.fstat(fd).st_size
+        if size == 0:
+            os.ftruncate(fd, geometry.total)
+        elif size < HEADER_BYTES:
+            raise BackendError(f"{spec.label} is not a maru pool (only {size} bytes)")
+        length = geometry.total if size == 0 or device else size
+        region = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        fresh = size == 0 or (device and bytes(region[:8]) != MAGIC)
+        if not fresh:
+            check_header(region, geometry, spec.label)
+        if spec.before_init:
+            spec.before_init(region)
+        pool = Pool(fd, region, geometry, spec.label)
+        if fresh:
+            if device:
+                region[: geometry.data_offset] = bytes(geometry.data_offset)
+            pool.initialize()
+        return pool
+    finally:
+        unlock_region(fd)
+
+
+def _prefault(pool: Pool) -> None:
+    """Touch every data page now instead of on first use."""
+    g = pool.geometry
+    try:
+        pool.region.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), g.data_offset, g.capacity)
+    except OSError as exc:
+        raise BackendError(
+            f"cannot prefault {pool.label}: {exc.strerror or exc} (needs Linux 5.14 or newer)"
+        ) from None

@@ -1,0 +1,270 @@
+"""`Pool`: one mapped pool, composed of its format, locks, index and allocator.
+
+- Mutual exclusion: one byte lock. The holder sets `dirty` while it mutates; a
+  process that takes the lock and finds `dirty` set knows the previous holder
+  died mid-mutation and rebuilds the derived state (index, address list, free
+  list, counters) from the entry table, which is written so that every entry is
+  either whole or free.
+- Writers hold a per-process slot lock for as long as the pool is open. A
+  pending reservation records its writer's slot and token; once that slot's
+  lock is free (or held by someone with another token) the writer is dead and
+  the space is reclaimed.
+- Readers take no pins. Each entry has a generation that changes whenever it
+  is freed; a large object is copied outside the lock and the copy counts only
+  if the generation is unchanged afterwards, so a reader gets the committed
+  bytes or a miss, never a recycled object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from maru.backends.base import StoreStats
+from maru.backends.pool.allocator import Allocator
+from maru.backends.pool.index import Index, key_hash, key_hashes
+from maru.backends.pool.locks import Mutex, WriterSlots
+from maru.backends.pool.region import (
+    ALIGN,
+    COMMITTED,
+    DIRTY,
+    EVICTIONS,
+    FREE,
+    HITS,
+    MISSES,
+    NONE,
+    OBJECTS,
+    PENDING,
+    READY,
+    RECLAIMED,
+    RECOVERIES,
+    USED,
+    Geometry,
+    Tables,
+    round_up,
+)
+from maru.errors import BackendError, ObjectTooLargeError
+
+SMALL_COPY = 1024 * 1024
+"""Objects up to this size are copied under the lock (one critical section, about
+60 us at most); larger ones outside it, checked by generation afterwards."""
+
+Handle = tuple[int, int]
+"""A reservation: (entry, generation)."""
+
+
+class Pool:
+    """One mapped pool, shared by every store of this process that opened it."""
+
+    def __init__(self, fd: int, region: mmap.mmap, geometry: Geometry, label: str) -> None:
+        self.fd = fd
+        self.region = region
+        self.geometry = geometry
+        self.label = label
+        self.users = 0
+        self.tables = Tables(region, geometry)
+        self.index = Index(self.tables, geometry.buckets)
+        self.writers = WriterSlots(fd, self.tables, label)
+        self.allocator = Allocator(self.tables, self.index, geometry, self.writers.alive)
+        self._mutex = Mutex(fd)
+
+    @property
+    def creation_id(self) -> str:
+        """Random id written when the region was created."""
+        return self.tables.creation_id
+
+    def initialize(self) -> None:
+        """Write a fresh, empty pool (caller holds the file lock; region is zero)."""
+        self.tables.write_header(self.region, self.geometry)
+        self._rebuild()
+        self.tables.set(READY, 1)
+
+    # --- locking and recovery --------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the pool lock; recover first if the last holder died mid-change."""
+        t = self.tables
+        with self._mutex:
+            if t.get(DIRTY):
+                self._rebuild()
+                t.add(RECOVERIES, 1)
+            t.set(DIRTY, 1)
+            try:
+                yield
+            finally:
+                t.set(DIRTY, 0)
+
+    def _rebuild(self) -> None:
+        """Derive index, address list, free list and counters from the entry table."""
+        live = self.allocator.live_entries()
+        self.index.rebuild(live)
+        self.allocator.rebuild(live)
+
+    # --- writers -------------------------------------------------------------
+
+    def reserve(self, key: bytes, nbytes: int) -> tuple[Handle, memoryview] | None:
+        """Reserve space for `key`; (handle, writable view), or None if taken or no room."""
+        span, hashed, writer = self._prepare(key, nbytes)
+        t = self.tables
+        with self.locked():
+            entry = self.allocator.claim(key, hashed, span, nbytes, writer)
+            if entry == NONE:
+                return None
+            generation = int(t.gen[entry])
+        start = int(t.offset[entry]) + len(key)
+        return (entry, generation), t.data_view[start : start + nbytes]
+
+    def put_small(self, key: bytes, data: memoryview) -> bool:
+        """Store a small object in one critical section (cheaper than reserve + commit)."""
+        span, hashed, writer = self._prepare(key, data.nbytes)
+        t = self.tables
+        with self.locked():
+            entry = self.allocator.claim(key, hashed, span, data.nbytes, writer)
+            if entry == NONE:
+                return False
+            start = int(t.offset[entry]) + len(key)
+            t.data_view[start : start + data.nbytes] = data
+            t.state[entry] = COMMITTED
+            t.add(OBJECTS, 1)
+            return True
+
+    def _prepare(self, key: bytes, nbytes: int) -> tuple[int, int, int]:
+        """(span, key hash, writer id) of a new object; refuses one larger than the pool."""
+        span = round_up(len(key) + nbytes, ALIGN) or ALIGN
+        if span > self.geometry.capacity:
+            raise ObjectTooLargeError(
+                f"object of {nbytes} bytes is larger than the pool "
+                f"({self.geometry.capacity} bytes): {self.label}"
+            )
+        return span, key_hash(key), self.writers.writer()
+
+    def commit(self, handle: Handle) -> None:
+        """Make a reservation visible."""
+        entry, generation = handle
+        t = self.tables
+        with self.locked():
+            if t.gen[entry] != generation or t.state[entry] != PENDING:
+                raise BackendError(f"{self.label}: reservation was reclaimed before commit")
+            t.state[entry] = COMMITTED
+            t.add(OBJECTS, 1)
+
+    def abort(self, handle: Handle) -> None:
+        """Drop a reservation and free its space."""
+        entry, generation = handle
+        t = self.tables
+        with self.locked():
+            if t.gen[entry] == generation and t.state[entry] == PENDING:
+                self.allocator.free(entry)
+
+    # --- readers -------------------------------------------------------------
+
+    def read(self, key: bytes, out_for: Callable[[int], memoryview]) -> memoryview | None:
+        """Copy the object into `out_for(size)`; the filled view, or None on a miss."""
+        hashed = key_hash(key)
+        t = self.tables
+        with self.locked():
+            entry = self.index.find(key, hashed)
+            if entry == NONE or t.state[entry] != COMMITTED:
+                t.add(MISSES, 1)
+                return None
+            t.hot[entry] = 1
+            start = int(t.offset[entry] + t.key_len[entry])
+            size, generation = int(t.length[entry]), int(t.gen[entry])
+            out = out_for(size)[:size]
+            if size <= SMALL_COPY:
+                out[:] = t.data_view[start : start + size]
+                t.add(HITS, 1)
+                return out
+        out[:] = t.data_view[start : start + size]
+        with self.locked():
+            if t.gen[entry] != generation:
+                t.add(MISSES, 1)
+                return None
+            t.add(HITS, 1)
+        return out
+
+    def contains(self, keys: list[bytes]) -> list[bool]:
+        """One answer per key, in one pass over the index."""
+        if not keys:
+            return []
+        hashes = key_hashes(keys)
+        with self.locked():
+            return self.index.committed(hashes).tolist()
+
+    def delete(self, key: bytes) -> bool:
+        """Remove a committed object."""
+        with self.locked():
+            entry = self.index.find(key, key_hash(key))
+            if entry == NONE or self.tables.state[entry] != COMMITTED:
+                return False
+            self.allocator.free(entry)
+            return True
+
+    def clear(self) -> int:
+        """Remove every committed object; how many were removed."""
+        with self.locked():
+            committed = np.flatnonzero(self.tables.state == COMMITTED).tolist()
+            for entry in committed:
+                self.allocator.free(entry)
+            return len(committed)
+
+    def stats(self) -> StoreStats:
+        """The counters kept in the region."""
+        t = self.tables
+        with self.locked():
+            return StoreStats(
+                self.geometry.capacity,
+                t.get(USED),
+                t.get(OBJECTS),
+                t.get(HITS),
+                t.get(MISSES),
+                t.get(EVICTIONS),
+                t.get(RECLAIMED),
+            )
+
+    def audit(self) -> list[str]:
+        """Problems found by recomputing the derived state from the entry table."""
+        t = self.tables
+        with self.locked():
+            live = np.flatnonzero(t.state != FREE)
+            ordered = live[np.argsort(t.offset[live])]
+            ends = (t.offset[ordered] + t.span[ordered])[:-1]
+            problems = []
+            if (t.offset[ordered[1:]] < ends).any():
+                problems.append("objects overlap")
+            held = int(t.span[live].sum())
+            if t.get(USED) != held:
+                problems.append(f"used is {t.get(USED)}, entries hold {held}")
+            committed = int((t.state == COMMITTED).sum())
+            if t.get(OBJECTS) != committed:
+                problems.append(f"objects is {t.get(OBJECTS)}, {committed} are committed")
+            if t.get(USED) > self.geometry.capacity:
+                problems.append("used exceeds capacity")
+            for entry in live.tolist():
+                if self.index.find(t.key_at(entry), int(t.hash[entry])) != entry:
+                    problems.append(f"entry {entry} is not reachable through the index")
+                    break
+            return problems
+
+    def info(self) -> dict[str, int | str]:
+        """Geometry and counters beyond StoreStats, for `maru pool stats`."""
+        g = self.geometry
+        return {
+            "label": self.label,
+            "creation_id": self.creation_id,
+            "entries": g.entries,
+            "index_overhead_bytes": g.overhead,
+            "recoveries": self.tables.get(RECOVERIES),
+        }
+
+    def close(self) -> None:
+        """Unmap and close (views still exported keep the mapping alive until released)."""
+        self.tables.release()
+        with contextlib.suppress(BufferError):
+            self.region.close()
+        os.close(self.fd)

@@ -1,0 +1,225 @@
+"""The pool's format: what lies where in the mapped region, and how to check it.
+
+A region is a header (8-byte magic, then uint64 words), an entry table (a
+struct of arrays, one element per entry), a hash index (bucket heads) and the
+data. Everything is fixed-width binary, so every process reads it the same way;
+a region of another version or geometry is refused, never reinterpreted.
+"""
+
+from __future__ import annotations
+
+import mmap
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+
+from maru.errors import BackendError, ConfigError
+
+MAGIC = b"MARUPOOL"
+FORMAT_VERSION = 1
+ALIGN = 64
+PAGE = 4096
+BYTES_PER_ENTRY = 64 * 1024
+MIN_ENTRIES, MAX_ENTRIES = 4096, 1 << 22
+WRITER_SLOTS = 4096
+
+FREE, PENDING, COMMITTED = 0, 1, 2
+"""Entry states."""
+NONE = -1
+"""No entry (in the int32 link arrays)."""
+NO_LINK = 2**64 - 1
+"""No entry (in a uint64 header word)."""
+
+# Header words (uint64), after the 8-byte magic.
+(
+    VERSION,
+    READY,
+    CAPACITY,
+    ENTRIES,
+    BUCKETS,
+    DATA_OFFSET,
+    TOTAL,
+    ID0,
+    ID1,
+    DIRTY,
+    CURSOR,
+    CURSOR_NEXT,
+    ADDR_HEAD,
+    ADDR_TAIL,
+    FREE_HEAD,
+    USED,
+    OBJECTS,
+    HITS,
+    MISSES,
+    EVICTIONS,
+    RECLAIMED,
+    RECOVERIES,
+) = range(1, 23)
+SLOT_TOKENS = 64
+"""Word index where the writer-slot tokens start (one word per slot)."""
+HEADER_BYTES = -(-(SLOT_TOKENS + WRITER_SLOTS) * 8 // PAGE) * PAGE
+
+ENTRY_FIELDS = (  # name, dtype: struct of arrays, each `entries` long
+    ("state", np.int64),
+    ("hash", np.uint64),
+    ("offset", np.int64),
+    ("span", np.int64),
+    ("length", np.int64),
+    ("key_len", np.int64),
+    ("gen", np.int64),
+    ("writer", np.int64),
+)
+LINK_FIELDS = ("prev", "next", "chain", "hot")  # int32 each
+
+
+def round_up(value: int, align: int) -> int:
+    """`value` rounded up to a multiple of `align`."""
+    return -(-value // align) * align
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where each part of the region lives, derived from the capacity alone."""
+
+    capacity: int
+    entries: int
+    buckets: int
+    index_offset: int
+    bucket_offset: int
+    data_offset: int
+    total: int
+
+    @classmethod
+    def for_capacity(cls, capacity: int, align: int = PAGE) -> Geometry:
+        entries = min(MAX_ENTRIES, max(MIN_ENTRIES, capacity // BYTES_PER_ENTRY))
+        buckets = 1 << (2 * entries - 1).bit_length()
+        index_offset = HEADER_BYTES
+        bucket_offset = index_offset + entries * (8 * len(ENTRY_FIELDS) + 4 * len(LINK_FIELDS))
+        data_offset = round_up(bucket_offset + 4 * buckets, align)
+        return cls(
+            capacity,
+            entries,
+            buckets,
+            index_offset,
+            bucket_offset,
+            data_offset,
+            data_offset + round_up(capacity, align),
+        )
+
+    @property
+    def overhead(self) -> int:
+        """Bytes mapped beyond the capacity (header, entry table and hash index)."""
+        return self.total - self.capacity
+
+
+def check_header(region: mmap.mmap, expected: Geometry, label: str) -> None:
+    """Refuse a region of another format or geometry, never reinterpret it."""
+    words = np.frombuffer(region, np.uint64, min(len(region), HEADER_BYTES) // 8, 0)
+    if bytes(region[:8]) != MAGIC or len(words) <= TOTAL or not words[READY]:
+        raise BackendError(f"{label} is not a maru pool (no maru header)")
+    if words[VERSION] != FORMAT_VERSION:
+        raise BackendError(
+            f"{label} has pool format version {words[VERSION]}, this maru reads version "
+            f"{FORMAT_VERSION}; destroy it (maru pool destroy) or use the maru that made it"
+        )
+    found = [int(words[w]) for w in (CAPACITY, ENTRIES, BUCKETS, DATA_OFFSET, TOTAL)]
+    wanted = [
+        expected.capacity,
+        expected.entries,
+        expected.buckets,
+        expected.data_offset,
+        expected.total,
+    ]
+    if found != wanted or len(region) < expected.total:
+        raise ConfigError(
+            f"capacity = {expected.capacity}: {label} already exists with capacity {found[0]} "
+            "and another geometry; allowed: the capacity it was created with, or destroy it "
+            "first (maru pool destroy)"
+        )
+
+
+class Tables:
+    """Numpy views of one mapped region: header words, entry fields, buckets, data.
+
+    Every other part of the pool reads and writes the region through these views,
+    so the format is spelled out in this module only.
+    """
+
+    state: np.ndarray
+    hash: np.ndarray
+    offset: np.ndarray
+    span: np.ndarray
+    length: np.ndarray
+    key_len: np.ndarray
+    gen: np.ndarray
+    writer: np.ndarray
+    prev: np.ndarray
+    next: np.ndarray
+    chain: np.ndarray
+    hot: np.ndarray
+
+    def __init__(self, region: mmap.mmap, geometry: Geometry) -> None:
+        g = geometry
+        self.header = np.frombuffer(region, np.uint64, HEADER_BYTES // 8, 0)
+        offset = g.index_offset
+        for name, dtype in ENTRY_FIELDS:
+            setattr(self, name, np.frombuffer(region, dtype, g.entries, offset))
+            offset += 8 * g.entries
+        for name in LINK_FIELDS:
+            setattr(self, name, np.frombuffer(region, np.int32, g.entries, offset))
+            offset += 4 * g.entries
+        self.buckets = np.frombuffer(region, np.int32, g.buckets, g.bucket_offset)
+        self.data_view = memoryview(region)[g.data_offset : g.data_offset + g.capacity]
+
+    def get(self, word: int) -> int:
+        """A header word."""
+        return int(self.header[word])
+
+    def set(self, word: int, value: int) -> None:
+        """Write a header word."""
+        self.header[word] = value
+
+    def add(self, word: int, delta: int) -> None:
+        """Add to a header word (a counter)."""
+        self.header[word] = self.get(word) + delta
+
+    def link(self, word: int) -> int:
+        """A header word that names an entry, or NONE."""
+        value = self.get(word)
+        return NONE if value == NO_LINK else value
+
+    def set_link(self, word: int, entry: int) -> None:
+        """Make a header word name `entry` (or nothing, for NONE)."""
+        self.set(word, NO_LINK if entry == NONE else entry)
+
+    def key_at(self, entry: int) -> bytes:
+        """The key stored at the start of an entry's span."""
+        start = int(self.offset[entry])
+        return bytes(self.data_view[start : start + int(self.key_len[entry])])
+
+    @property
+    def creation_id(self) -> str:
+        """Random id written when the region was created."""
+        return f"{self.get(ID0):016x}{self.get(ID1):016x}"
+
+    def write_header(self, region: mmap.mmap, geometry: Geometry) -> None:
+        """Write the magic, version, geometry and a new creation id (not yet READY)."""
+        region[:8] = MAGIC
+        for word, value in (
+            (VERSION, FORMAT_VERSION),
+            (CAPACITY, geometry.capacity),
+            (ENTRIES, geometry.entries),
+            (BUCKETS, geometry.buckets),
+            (DATA_OFFSET, geometry.data_offset),
+            (TOTAL, geometry.total),
+            (ID0, secrets.randbits(64)),
+            (ID1, secrets.randbits(64)),
+        ):
+            self.set(word, value)
+
+    def release(self) -> None:
+        """Drop every view, so the mapping can be closed."""
+        self.data_view.release()
+        for name in ("header", "buckets", *(n for n, _ in ENTRY_FIELDS), *LINK_FIELDS):
+            delattr(self, name)
