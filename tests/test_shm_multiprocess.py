@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -100,7 +101,7 @@ def test_space_of_a_writer_killed_mid_reservation_comes_back(pool_names) -> None
 
 def die_holding_the_lock(name: str, ready) -> None:
     store = open_pool(name)
-    with store.pool.locked():
+    with store.pool.changing():
         store.pool.tables.add(region.OBJECTS, 1000)
         ready.set()
         time.sleep(600)
@@ -122,6 +123,46 @@ def test_a_process_killed_holding_the_lock_does_not_hang_the_others(pool_names) 
         assert store.get(b"kept") == b"value"
         assert store.pool.info()["recoveries"] == 1
         assert store.pool.audit() == []
+
+
+def raise_inside_a_change(name: str) -> None:
+    """Put an object, interrupted (as by Ctrl-C) halfway through the pool's change."""
+    store = open_pool(name)
+    real_add = store.pool.tables.add
+
+    def add(word: int, delta: int) -> None:
+        if word == region.USED:
+            raise KeyboardInterrupt
+        real_add(word, delta)
+
+    store.pool.tables.add = add
+    with contextlib.suppress(KeyboardInterrupt):
+        store.put(b"half", b"x" * 5000)
+
+
+def test_a_change_that_raises_is_repaired_by_the_next_lock_holder(pool_names) -> None:
+    name = pool_names()
+    with open_pool(name) as store:
+        store.put(b"kept", b"value")
+        child = SPAWN.Process(target=raise_inside_a_change, args=(name,))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        assert store.pool.audit() == []
+        assert store.pool.info()["recoveries"] == 1
+        assert store.stats().objects == 1
+        assert store.get(b"kept") == b"value"
+        assert store.put(b"half", b"whole"), "the dead writer's half-made entry is reclaimed"
+        assert store.get(b"half") == b"whole"
+
+
+def test_a_read_that_raises_leaves_nothing_to_repair(pool_names) -> None:
+    with open_pool(pool_names()) as store:
+        store.put(b"k", b"0123456789")
+        with pytest.raises(maru.BufferTooSmallError):
+            store.get_into(b"k", bytearray(4))
+        assert store.get(b"k") == b"0123456789"
+        assert store.pool.info()["recoveries"] == 0
 
 
 def write_and_exit(name: str) -> None:

@@ -68,8 +68,8 @@ class Allocator:
         """Remove an entry from every structure."""
         t = self._t
         was_committed = t.state[entry] == COMMITTED
+        t.gen[entry] += 1  # first: once FREE, no reader may accept the old generation
         t.state[entry] = FREE
-        t.gen[entry] += 1
         self._index.remove(entry)
         before, after = int(t.prev[entry]), int(t.next[entry])
         if before == NONE:
@@ -187,8 +187,8 @@ class Allocator:
         live = live[np.argsort(t.offset[live], kind="stable")]
         overlaps = live[1:][t.offset[live[1:]] < (t.offset[live] + t.span[live])[:-1]]
         for entry in np.concatenate([bad, overlaps]):
-            t.state[entry] = FREE
             t.gen[entry] += 1
+            t.state[entry] = FREE
         return live[t.state[live] != FREE]
 
     def rebuild(self, live: np.ndarray) -> None:

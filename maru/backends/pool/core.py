@@ -1,10 +1,10 @@
 """`Pool`: one mapped pool, composed of its format, locks, index and allocator.
 
-- Mutual exclusion: one byte lock. The holder sets `dirty` while it mutates; a
-  process that takes the lock and finds `dirty` set knows the previous holder
-  died mid-mutation and rebuilds the derived state (index, address list, free
-  list, counters) from the entry table, which is written so that every entry is
-  either whole or free.
+- Mutual exclusion: one byte lock. The holder sets `dirty` while it mutates and
+  clears it only once the change is complete; a process that takes the lock and
+  finds `dirty` set knows the previous holder died or raised mid-change and
+  rebuilds the derived state (index, address list, free list, counters) from the
+  entry table, which is written so that every entry is either whole or free.
 - Writers hold a per-process slot lock for as long as the pool is open. A
   pending reservation records its writer's slot and token; once that slot's
   lock is free (or held by someone with another token) the writer is dead and
@@ -87,17 +87,28 @@ class Pool:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the pool lock; recover first if the last holder died mid-change."""
-        t = self.tables
+        """Hold the pool lock to read (counters and use bits may change, nothing else);
+        recover first if an earlier change was left half done."""
         with self._mutex:
-            if t.get(DIRTY):
-                self._rebuild()
-                t.add(RECOVERIES, 1)
-            t.set(DIRTY, 1)
-            try:
-                yield
-            finally:
-                t.set(DIRTY, 0)
+            self._recover()
+            yield
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """Hold the pool lock to change it. The pool stays marked dirty unless the change
+        completes: a holder that dies or raises midway leaves the rebuild to the next."""
+        with self._mutex:
+            self._recover()
+            self.tables.set(DIRTY, 1)
+            yield
+            self.tables.set(DIRTY, 0)
+
+    def _recover(self) -> None:
+        """Rebuild if the last change was left half done (caller holds the mutex)."""
+        if self.tables.get(DIRTY):
+            self._rebuild()
+            self.tables.add(RECOVERIES, 1)
+            self.tables.set(DIRTY, 0)
 
     def _rebuild(self) -> None:
         """Derive index, address list, free list and counters from the entry table."""
@@ -111,7 +122,7 @@ class Pool:
         """Reserve space for `key`; (handle, writable view), or None if taken or no room."""
         span, hashed, writer = self._prepare(key, nbytes)
         t = self.tables
-        with self.locked():
+        with self.changing():
             entry = self.allocator.claim(key, hashed, span, nbytes, writer)
             if entry == NONE:
                 return None
@@ -123,7 +134,7 @@ class Pool:
         """Store a small object in one critical section (cheaper than reserve + commit)."""
         span, hashed, writer = self._prepare(key, data.nbytes)
         t = self.tables
-        with self.locked():
+        with self.changing():
             entry = self.allocator.claim(key, hashed, span, data.nbytes, writer)
             if entry == NONE:
                 return False
@@ -147,7 +158,7 @@ class Pool:
         """Make a reservation visible."""
         entry, generation = handle
         t = self.tables
-        with self.locked():
+        with self.changing():
             if t.gen[entry] != generation or t.state[entry] != PENDING:
                 raise BackendError(f"{self.label}: reservation was reclaimed before commit")
             t.state[entry] = COMMITTED
@@ -157,7 +168,7 @@ class Pool:
         """Drop a reservation and free its space."""
         entry, generation = handle
         t = self.tables
-        with self.locked():
+        with self.changing():
             if t.gen[entry] == generation and t.state[entry] == PENDING:
                 self.allocator.free(entry)
 
@@ -198,7 +209,7 @@ class Pool:
 
     def delete(self, key: bytes) -> bool:
         """Remove a committed object."""
-        with self.locked():
+        with self.changing():
             entry = self.index.find(key, key_hash(key))
             if entry == NONE or self.tables.state[entry] != COMMITTED:
                 return False
@@ -207,7 +218,7 @@ class Pool:
 
     def clear(self) -> int:
         """Remove every committed object; how many were removed."""
-        with self.locked():
+        with self.changing():
             committed = np.flatnonzero(self.tables.state == COMMITTED).tolist()
             for entry in committed:
                 self.allocator.free(entry)
