@@ -19,6 +19,7 @@ from tests.conftest import call_with_deadline
 
 MIB = 2**20
 SPAWN = multiprocessing.get_context("spawn")
+FORK = multiprocessing.get_context("fork")
 
 
 def open_pool(name: str, capacity: int = 8 * MIB) -> maru.Backend:
@@ -227,3 +228,49 @@ def test_a_large_object_recycled_during_the_copy_is_a_miss(pool_names) -> None:
         assert store.get(b"big") is None
         assert store.get(b"filler11") == b"\xff" * MIB
         assert store.stats().misses == 1
+
+
+def use_inherited_store(store: maru.Backend, parent_handle, results) -> None:
+    """In a forked child: churn the parent's store, and try to finish its reservation."""
+    wrong = reads = 0
+    for i in range(40):
+        key = f"child{i}"
+        assert store.put(key, payload(key, 300_000))
+        for earlier in (f"child{i // 2}", "before"):
+            data = store.get(earlier)
+            reads += data is not None
+            wrong += data is not None and data != payload(earlier, len(data))
+    with store.reserve(b"child-reserved", 1000) as buffer:
+        buffer[:] = payload("child-reserved", 1000)
+    try:
+        store._commit(parent_handle)
+        inherited = "committed the parent's reservation"
+    except maru.BackendError:
+        store._abort(parent_handle)
+        inherited = "refused"
+    results.put((reads, wrong, inherited))
+
+
+def test_a_forked_child_uses_the_pool_while_the_parent_writes(pool_names) -> None:
+    with open_pool(pool_names()) as store:
+        store.put(b"before", payload("before", 100_000))
+        handle, buffer = store._begin(b"parent", 2 * MIB)
+        results = FORK.Queue()
+        child = FORK.Process(target=use_inherited_store, args=(store, handle, results))
+        child.start()
+        written = 0
+        while child.is_alive() and results.empty():
+            key = f"parent{written}"
+            assert store.put(key, payload(key, 200_000))
+            assert store.get(key) == payload(key, 200_000)
+            written += 1
+        reads, wrong, inherited = results.get(timeout=60)
+        child.join(60)
+        assert child.exitcode == 0
+        assert (reads > 0, wrong, inherited) == (True, 0, "refused")
+        buffer[:] = payload("parent", 2 * MIB)
+        store._commit(handle)
+        assert store.get(b"parent") == payload("parent", 2 * MIB)
+        assert store.get(b"child-reserved") == payload("child-reserved", 1000)
+        assert store.stats().reclaimed == 0
+        assert store.pool.audit() == []

@@ -27,7 +27,7 @@ import numpy as np
 from maru.backends.base import StoreStats
 from maru.backends.pool.allocator import Allocator
 from maru.backends.pool.index import Index, key_hash, key_hashes
-from maru.backends.pool.locks import Mutex, WriterSlots
+from maru.backends.pool.locks import Mutex, WriterSlots, reset_after_fork
 from maru.backends.pool.region import (
     ALIGN,
     COMMITTED,
@@ -71,6 +71,13 @@ class Pool:
         self.writers = WriterSlots(fd, self.tables, label)
         self.allocator = Allocator(self.tables, self.index, geometry, self.writers.alive)
         self._mutex = Mutex(fd)
+        reset_after_fork(self)
+
+    def after_fork(self) -> None:
+        """In a forked child: fresh thread locks, no writer slot and no reservation of
+        the parent's (the child takes its own slot when it first writes)."""
+        self._mutex.after_fork()
+        self.writers.after_fork()
 
     @property
     def creation_id(self) -> str:
@@ -155,22 +162,33 @@ class Pool:
         return span, key_hash(key), self.writers.writer()
 
     def commit(self, handle: Handle) -> None:
-        """Make a reservation visible."""
-        entry, generation = handle
-        t = self.tables
+        """Make a reservation visible; refused unless it is still this process's own."""
         with self.changing():
-            if t.gen[entry] != generation or t.state[entry] != PENDING:
-                raise BackendError(f"{self.label}: reservation was reclaimed before commit")
-            t.state[entry] = COMMITTED
-            t.add(OBJECTS, 1)
+            ours = self._own_reservation(handle)
+            if ours:
+                self.tables.state[handle[0]] = COMMITTED
+                self.tables.add(OBJECTS, 1)
+        if not ours:
+            raise BackendError(
+                f"{self.label}: reservation was reclaimed before commit, or belongs to "
+                "another process (a reservation is never inherited across fork)"
+            )
 
     def abort(self, handle: Handle) -> None:
-        """Drop a reservation and free its space."""
+        """Drop a reservation and free its space (if it is still this process's own)."""
+        with self.changing():
+            if self._own_reservation(handle):
+                self.allocator.free(handle[0])
+
+    def _own_reservation(self, handle: Handle) -> bool:
+        """Is the reservation still pending, unreclaimed, and written by this process?"""
         entry, generation = handle
         t = self.tables
-        with self.changing():
-            if t.gen[entry] == generation and t.state[entry] == PENDING:
-                self.allocator.free(entry)
+        return (
+            t.gen[entry] == generation
+            and t.state[entry] == PENDING
+            and self.writers.owns(int(t.writer[entry]))
+        )
 
     # --- readers -------------------------------------------------------------
 

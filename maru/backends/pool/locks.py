@@ -1,15 +1,23 @@
 """Locks on the region's file: the pool mutex, and writer slots that tell whether
-the writer of a pending reservation is still alive.
+the writer of a pending reservation is still alive; and what a forked child resets.
 
 Both are `fcntl` byte locks, which the kernel drops when their owner dies, so a
 crashed process never hangs the others and its reservations can be reclaimed.
+
+A forked child inherits the parent's objects but not its locks: thread locks
+another thread held at the fork would never be released, and the parent's
+writer slot is not the child's. Objects registered with `reset_after_fork`
+start clean in every child.
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
 import secrets
 import threading
+import weakref
+from typing import Protocol
 
 from maru.backends.pool.region import SLOT_TOKENS, WRITER_SLOTS, Tables
 from maru.errors import BackendError
@@ -17,6 +25,27 @@ from maru.errors import BackendError
 MUTEX_BYTE = 0
 SLOT_LOCK_BASE = 1
 TOKEN_MASK = 2**48 - 1
+
+
+class ForkAware(Protocol):
+    def after_fork(self) -> None:
+        """Drop what belongs to the parent process (runs in the child, after fork)."""
+
+
+_fork_aware: weakref.WeakSet[ForkAware] = weakref.WeakSet()
+
+
+def reset_after_fork(item: ForkAware) -> None:
+    """Call `item.after_fork()` in the child of every later fork, while `item` lives."""
+    _fork_aware.add(item)
+
+
+def _in_forked_child() -> None:
+    for item in list(_fork_aware):
+        item.after_fork()
+
+
+os.register_at_fork(after_in_child=_in_forked_child)
 
 
 class Mutex:
@@ -37,6 +66,10 @@ class Mutex:
     def __exit__(self, *exc_info: object) -> None:
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, MUTEX_BYTE)
         self._thread_lock.release()
+
+    def after_fork(self) -> None:
+        """A new thread lock: one held by another thread at the fork stays held."""
+        self._thread_lock = threading.Lock()
 
 
 def lock_region(fd: int) -> None:
@@ -83,6 +116,14 @@ class WriterSlots:
             else:
                 raise BackendError(f"{self._label}: all {WRITER_SLOTS} writer slots are in use")
         return self._slot << 48 | self._token & TOKEN_MASK
+
+    def owns(self, writer: int) -> bool:
+        """Is `writer` this process's writer id (so its reservations are ours)?"""
+        return self._slot is not None and writer == self.writer()
+
+    def after_fork(self) -> None:
+        """Forget the parent's slot: a child takes a slot of its own when it writes."""
+        self._slot, self._token = None, 0
 
     def alive(self, writer: int) -> bool:
         """Is the writer with this id still running (caller holds the mutex)?"""
