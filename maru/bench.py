@@ -2,6 +2,11 @@
 
 These machines are noisy, so every throughput is reported next to a plain
 memcpy of the same bytes, measured in the same run, and latencies are medians.
+Every copy, the baseline's and the store's, reads from and writes to buffers that
+rotate through pre-touched memory larger than the CPU caches, as KV chunks do:
+never the same cache-hot bytes twice. Pools are measured in steady state (after
+they have wrapped, so every put evicts) and, for 4 MiB puts, on a fresh pool's
+first pass, as a new serving node sees it.
 """
 
 from __future__ import annotations
@@ -18,11 +23,17 @@ from typing import Any
 import numpy as np
 
 import maru
+from maru.backends.pool.attach import memory_of
 
 KIB, MIB = 2**10, 2**20
 DEFAULT_SIZES = (64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 32 * MIB)
 BENCH_BYTES = 256 * MIB
 """Bytes moved per object size (more repetitions for small objects)."""
+ARENA_BYTES = 256 * MIB
+"""Least size of each rotating buffer (sources, targets); at least 4 times the L3."""
+FIRST_PASS_SIZE = 4 * MIB
+POOL_BACKENDS = ("shm", "cxl")
+"""Backends with a ring that wraps and a fresh pool to measure."""
 
 
 @dataclass
@@ -43,23 +54,58 @@ class SizeResult:
         return self.get_into_gbps / self.memcpy_gbps
 
 
-def bench_config(backend: str, capacity: int, config_file: str | None = None) -> maru.MaruConfig:
+def bench_config(
+    backend: str, capacity: int, config_file: str | None = None, *, fresh: bool = False
+) -> maru.MaruConfig:
     """The benchmark's configuration, so that it never touches a serving store.
 
-    shm, cxl and mock get a private pool. redis has no private server: the benchmark
-    measures the server the user's configuration names (`redis.url`), under a namespace
-    of its own, and deletes what it writes.
+    shm, cxl and mock get a private pool, populated before it is measured, or with
+    `fresh`, opened as serving opens it. redis has no private server: the benchmark
+    measures the server the user's configuration names (`redis.url`), under a
+    namespace of its own, and deletes what it writes.
     """
-    tag = f"bench-{os.getpid()}"
+    tag = f"bench-{os.getpid()}" + ("-fresh" if fresh else "")
+    prefault = not fresh
     sections: dict[str, Any] = {
         "mock": {"mock": {"name": tag}},
-        "shm": {"shm": {"name": tag, "prefault": True}},
+        "shm": {"shm": {"name": tag, "prefault": prefault}},
         "cxl": {
-            "cxl": {"mode": "emulated", "device": f"/dev/shm/maru-{tag}-cxl", "prefault": True}
+            "cxl": {
+                "mode": "emulated",
+                "device": f"/dev/shm/maru-{tag}-cxl",
+                "prefault": prefault,
+            }
         },
     }
-    return maru.load_config(config_file, backend=backend, capacity=capacity, namespace=tag,
-                            **sections.get(backend, {}))
+    return maru.load_config(
+        config_file, backend=backend, capacity=capacity, namespace=tag, **sections.get(backend, {})
+    )
+
+
+def arena_bytes() -> int:
+    """Bytes of each rotating buffer: ARENA_BYTES, or 4 times the L3 cache if larger."""
+    try:
+        l3 = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError):
+        l3 = 0
+    return max(ARENA_BYTES, 4 * l3)
+
+
+class Rotation:
+    """Slots of `size` bytes in a pre-touched buffer, handed out in turn."""
+
+    def __init__(self, buffer: np.ndarray, size: int) -> None:
+        count = max(2, len(buffer) // size)
+        self._slots = buffer[: count * size].reshape(count, size)
+        self._next = itertools.cycle(range(count))
+
+    def __call__(self) -> np.ndarray:
+        return self._slots[next(self._next)]
+
+
+def pretouched(nbytes: int, seed: int) -> np.ndarray:
+    """A buffer of random bytes whose pages are all mapped."""
+    return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
 
 
 def _median_seconds(action: Callable[[], object], repeats: int) -> float:
@@ -71,29 +117,86 @@ def _median_seconds(action: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def bench_size(store: maru.Backend, size: int, run: int, written: list[bytes]) -> SizeResult:
+def memcpy_seconds(sources: Rotation, targets: Rotation, repeats: int) -> float:
+    """Median seconds of one copy between rotating buffers: the baseline."""
+    return _median_seconds(lambda: np.copyto(targets(), sources()), repeats)
+
+
+def bench_size(
+    store: maru.Backend,
+    size: int,
+    run: int,
+    written: list[bytes],
+    arenas: tuple[np.ndarray, np.ndarray],
+    wrap: bool,
+) -> SizeResult:
     """put and get_into of `size`-byte objects, and memcpy of the same bytes.
 
     Each repetition writes a new object and reads a different one, as serving
-    does; the memcpy baseline copies to and from as many distinct buffers. The keys
-    written are added to `written`.
+    does, from and into rotating buffers. With `wrap`, the store is first filled
+    once, so that every measured put evicts. The keys written are added to `written`.
     """
     repeats = max(5, min(200, BENCH_BYTES // size))
-    source = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
-    target = np.empty_like(source)
-    arena = np.ones((repeats, size), dtype=np.uint8)
-    slots = itertools.cycle(range(repeats))
-    memcpy_to = _median_seconds(lambda: np.copyto(arena[next(slots)], source), repeats)
-    memcpy_from = _median_seconds(lambda: np.copyto(target, arena[next(slots)]), repeats)
+    sources, targets = Rotation(arenas[0], size), Rotation(arenas[1], size)
+    if wrap:
+        fill = [f"fill-{run}-{i}".encode() for i in range(store.stats().capacity // size + 1)]
+        written.extend(fill)
+        for key in fill:
+            store.put(key, sources())
+    memcpy = memcpy_seconds(sources, targets, repeats)
     keys = [f"bench-{run}-{size}-{i}".encode() for i in range(repeats)]
     written.extend(keys)
     puts, gets = iter(keys), itertools.cycle(keys)
-    put = _median_seconds(lambda: store.put(next(puts), source), repeats)
-    get = _median_seconds(lambda: store.get_into(next(gets), target), repeats)
-    if store.get_into(keys[-1], target) is None or not np.array_equal(target, source):
-        raise maru.BackendError(f"benchmark read back wrong bytes for {size}-byte objects")
-    memcpy = (memcpy_to + memcpy_from) / 2
+    put = _median_seconds(lambda: store.put(next(puts), sources()), repeats)
+    get = _median_seconds(lambda: store.get_into(next(gets), targets()), repeats)
+    _check_read_back(store, keys[-1], size)
     return SizeResult(size, size / memcpy / 1e9, size / put / 1e9, size / get / 1e9)
+
+
+def _check_read_back(store: maru.Backend, key: bytes, size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+    store.delete(key)
+    out = np.empty_like(data)
+    if (
+        not store.put(key, data)
+        or store.get_into(key, out) is None
+        or not np.array_equal(out, data)
+    ):
+        raise maru.BackendError(f"benchmark read back wrong bytes for {size}-byte objects")
+
+
+def bench_first_pass(
+    backend: str, capacity: int, config_file: str | None, arenas: tuple[np.ndarray, np.ndarray]
+) -> dict[str, Any]:
+    """4 MiB puts into a pool that was never touched, until it is full: what a new node
+    gets. Each pool is opened as serving opens it (populated in the background): one
+    is written at once, the other once its populate has finished, as when an engine's
+    start-up outlasts it. Throughputs are over the whole pass, open excluded."""
+    sources, targets = Rotation(arenas[0], FIRST_PASS_SIZE), Rotation(arenas[1], FIRST_PASS_SIZE)
+    count = capacity // FIRST_PASS_SIZE - 1
+    memcpy_gbps = FIRST_PASS_SIZE / memcpy_seconds(sources, targets, max(5, count)) / 1e9
+    report: dict[str, Any] = {
+        "size": FIRST_PASS_SIZE,
+        "pool_bytes": capacity,
+        "memcpy_gbps": memcpy_gbps,
+    }
+    for when in ("at_once", "populated"):
+        started = time.perf_counter()
+        with maru.open_store(bench_config(backend, capacity, config_file, fresh=True)) as store:
+            try:
+                opened = time.perf_counter()
+                if when == "populated":
+                    memory_of(store.pool).populator.wait()
+                    report["populate_s"] = time.perf_counter() - opened
+                begun = time.perf_counter()
+                for i in range(count):
+                    store.put(f"first-{i}".encode(), sources())
+                put_gbps = count * FIRST_PASS_SIZE / (time.perf_counter() - begun) / 1e9
+            finally:
+                store.destroy()
+        report["open_s"] = opened - started
+        report[when] = {"put_gbps": put_gbps, "put_ratio": put_gbps / memcpy_gbps}
+    return report
 
 
 def bench_latency(store: maru.Backend, written: list[bytes]) -> dict[str, float]:
@@ -131,12 +234,18 @@ def run_bench(
     """Benchmark one backend; the report as plain data. Leaves nothing behind."""
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     written: list[bytes] = []
+    arenas = (pretouched(arena_bytes(), 1), pretouched(arena_bytes(), 2))
+    wrap = backend in POOL_BACKENDS
+    first_pass = None
+    if wrap:
+        progress(f"{backend}: first pass of a fresh pool ...")
+        first_pass = bench_first_pass(backend, capacity, config_file, arenas)
     with maru.open_store(bench_config(backend, capacity, config_file)) as store:
         try:
             results = []
             for run, size in enumerate(sizes):
                 progress(f"{backend}: {size // KIB} KiB objects ...")
-                results.append(bench_size(store, size, run, written))
+                results.append(bench_size(store, size, run, written, arenas, wrap))
                 _delete_written(store, written)
             progress(f"{backend}: latency ...")
             latency = bench_latency(store, written)
@@ -151,6 +260,7 @@ def run_bench(
             asdict(r) | {"put_ratio": r.put_ratio, "get_ratio": r.get_ratio} for r in results
         ],
         "latency": latency,
+        "first_pass": first_pass,
     }
 
 
@@ -165,6 +275,18 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_size_label(r['size']):>8} {r['memcpy_gbps']:8.2f} {r['put_gbps']:8.2f} "
             f"{r['put_ratio']:6.2f} {r['get_into_gbps']:9.2f} {r['get_ratio']:6.2f}"
         )
+    first = report["first_pass"]
+    if first:
+        lines += [
+            f"first pass of a fresh {first['pool_bytes'] // MIB} MiB pool, "
+            f"{_size_label(first['size'])} puts (opened in {first['open_s']:.2f} s; "
+            f"memcpy {first['memcpy_gbps']:.2f} GB/s):",
+            f"  at once after open   put {first['at_once']['put_gbps']:8.2f} "
+            f"ratio {first['at_once']['put_ratio']:.2f}",
+            f"  after its populate   put {first['populated']['put_gbps']:8.2f} "
+            f"ratio {first['populated']['put_ratio']:.2f} "
+            f"(populated in the background in {first['populate_s']:.2f} s)",
+        ]
     latency = report["latency"]
     lines.append(
         f"contains(128 keys) median {latency['contains_128_us']:.1f} us; "

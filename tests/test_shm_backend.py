@@ -9,6 +9,7 @@ import pytest
 
 import maru
 from maru.backends.pool import region as pool_format
+from maru.backends.pool.attach import memory_of
 from maru.backends.shm import shm_path
 from maru.testing import BackendContract, EvictionContract
 
@@ -77,21 +78,19 @@ def resident_bytes(path) -> int:
     return os.stat(path).st_blocks * 512
 
 
-def test_the_pool_maps_capacity_plus_a_small_index_and_touches_nothing(pool_names) -> None:
+def test_the_pool_maps_capacity_plus_a_small_index_all_reserved_at_creation(pool_names) -> None:
     name = pool_names()
     with open_shm(name, "1GiB") as store:
         geometry = store.pool.geometry
         assert os.stat(shm_path(name)).st_size == geometry.total == 2**30 + geometry.overhead
         assert geometry.overhead < 0.01 * 2**30
-        assert resident_bytes(shm_path(name)) < geometry.overhead + MIB
-        store.put(b"k", bytes(4 * MIB))
-        assert resident_bytes(shm_path(name)) >= 4 * MIB
+        assert resident_bytes(shm_path(name)) == geometry.total, "no page is left to a fault"
 
 
-def test_prefault_touches_every_page(pool_names) -> None:
-    name = pool_names()
-    with open_shm(name, "64MiB", prefault=True):
-        assert resident_bytes(shm_path(name)) >= 64 * MIB
+def test_prefault_populates_every_page_before_open_returns(pool_names) -> None:
+    with open_shm(pool_names(), "64MiB", prefault=True) as store:
+        populator = memory_of(store.pool).populator
+        assert (populator.state, populator.done) == ("yes", len(store.pool.region))
 
 
 def test_get_into_a_torch_tensor(pool_names) -> None:

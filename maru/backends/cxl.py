@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from maru.backends.pool import Geometry, PoolBackend, RegionSpec
+from maru.backends.pool.memory import reserve
 from maru.backends.shm import FileMode, PoolName, shm_path
 from maru.config import Options, Size
 from maru.errors import BackendError, ConfigError
@@ -150,7 +151,7 @@ class CxlBackend(PoolBackend):
         path, align = self.options.device, self.options.align
         self._check_aligned(self.config.capacity, align)
         size = Geometry.for_capacity(self.config.capacity, align).total
-        create_device_file(path, size, self.options.file_mode)
+        create_device_file(path, size, self.options.file_mode, self.config.capacity)
         size = path.stat().st_size
         if size % align:
             raise ConfigError(
@@ -218,8 +219,9 @@ class CxlBackend(PoolBackend):
         return f"DAX device {options.device}"
 
 
-def create_device_file(path: Path, size: int, mode: int) -> None:
-    """Make a zero file of `size` bytes at `path` atomically, unless one is there."""
+def create_device_file(path: Path, size: int, mode: int, capacity: int) -> None:
+    """Make a zero file of `size` bytes at `path` atomically, unless one is there; its
+    blocks reserved, so that a device that does not fit is refused here, not by SIGBUS."""
     if path.exists():
         return
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -227,6 +229,7 @@ def create_device_file(path: Path, size: int, mode: int) -> None:
     try:
         os.fchmod(fd, mode)
         os.ftruncate(fd, size)
+        reserve(fd, size, capacity, f"cxl emulated device {path}")
         with contextlib.suppress(FileExistsError):
             os.link(temporary, path)
     finally:

@@ -1,7 +1,9 @@
 """Opening pools: create or attach to a region, map it, and share it in-process.
 
 A process maps each pool once (keyed by the file's device and inode); every
-store that opens it is one more user, and the last one to close unmaps it.
+store that opens it is one more user, and the last one to close unmaps it. A new
+region's memory is reserved before it is used, and every mapping is populated in
+the background (see `memory`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from dataclasses import dataclass
 
 from maru.backends.pool.core import Pool
 from maru.backends.pool.locks import lock_region, unlock_region
+from maru.backends.pool.memory import Memory, prepare
 from maru.backends.pool.region import HEADER_BYTES, MAGIC, PAGE, Geometry, check_header
 from maru.errors import BackendError, ConfigError
 
 _open_pools: dict[tuple[int, int], Pool] = {}
+_memory: dict[Pool, Memory] = {}
 _open_pools_lock = threading.Lock()
 
 
@@ -27,7 +31,8 @@ class RegionSpec:
 
     `device_size` is set for a device that cannot be resized (devdax): the pool
     must fit in it. `before_init` runs on a new mapping before any page is
-    written (NUMA binding).
+    written or reserved (NUMA binding). `prefault` waits for the mapping to be
+    populated instead of populating in the background.
     """
 
     path: str
@@ -56,8 +61,9 @@ def attach(spec: RegionSpec) -> Pool:
         with _open_pools_lock:
             pool = _open_pools.get(identity)
             if pool is None:
-                pool = _map(fd, spec, geometry)
+                pool, memory = _map(fd, spec, geometry)
                 _open_pools[identity] = pool
+                _memory[pool] = memory
                 fd = -1
             elif pool.geometry != geometry:
                 check_header(pool.region, geometry, pool.label)
@@ -65,9 +71,17 @@ def attach(spec: RegionSpec) -> Pool:
     finally:
         if fd >= 0:
             os.close(fd)
+    populator = _memory[pool].populator
+    populator.start()
     if spec.prefault:
-        _prefault(pool)
+        populator.wait()
+        populator.check()
     return pool
+
+
+def memory_of(pool: Pool) -> Memory:
+    """The memory report of an attached pool (huge pages, populated)."""
+    return _memory[pool]
 
 
 def detach(pool: Pool) -> None:
@@ -79,6 +93,8 @@ def detach(pool: Pool) -> None:
         for identity, candidate in list(_open_pools.items()):
             if candidate is pool:
                 del _open_pools[identity]
+        memory = _memory.pop(pool)
+    memory.populator.stop()
     pool.close()
 
 
@@ -99,8 +115,9 @@ def _open_file(spec: RegionSpec) -> int:
         raise BackendError(f"cannot open {spec.label}: {exc.strerror or exc}") from None
 
 
-def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> Pool:
-    """Map the region and make it a pool: initialize a new one, check an existing one."""
+def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> tuple[Pool, Memory]:
+    """Map the region and make it a pool: initialize a new one, check an existing one;
+    its memory reserved (see `memory.prepare`)."""
     lock_region(fd)
     try:
         device = spec.device_size is not None
@@ -116,22 +133,37 @@ def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> Pool:
             check_header(region, geometry, spec.label)
         if spec.before_init:
             spec.before_init(region)
+        memory = _prepare(fd, region, spec, new=size == 0)
         pool = Pool(fd, region, geometry, spec.label)
         if fresh:
             if device:
                 region[: geometry.data_offset] = bytes(geometry.data_offset)
             pool.initialize()
-        return pool
+        return pool, memory
     finally:
         unlock_region(fd)
 
 
-def _prefault(pool: Pool) -> None:
-    """Touch every data page now instead of on first use."""
-    g = pool.geometry
+def _prepare(fd: int, region: mmap.mmap, spec: RegionSpec, *, new: bool) -> Memory:
+    """`memory.prepare`; a new file that does not fit is removed, leaving nothing behind."""
     try:
-        pool.region.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), g.data_offset, g.capacity)
-    except OSError as exc:
-        raise BackendError(
-            f"cannot prefault {pool.label}: {exc.strerror or exc} (needs Linux 5.14 or newer)"
-        ) from None
+        if new and os.fstat(fd).st_nlink == 0:
+            raise BackendError(f"{spec.label} was removed while it was being created")
+        return prepare(fd, region, spec.capacity, spec.label, new=new)
+    except BaseException:
+        region.close()
+        if new:
+            os.ftruncate(fd, 0)
+            _unlink_if_same(spec.path, fd)
+        raise
+
+
+def _unlink_if_same(path: str, fd: int) -> None:
+    """Remove `path` if it is still the file open as `fd`."""
+    opened = os.fstat(fd)
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return
+    if (found.st_dev, found.st_ino) == (opened.st_dev, opened.st_ino):
+        os.unlink(path)

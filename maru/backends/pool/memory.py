@@ -1,0 +1,326 @@
+"""The memory behind a pool: reserved at creation, populated ahead of use, huge
+pages where the system offers them.
+
+A pool's region is a file (tmpfs for shm, any file for emulated cxl). A sparse
+file opens at any size, and the first write to a page the filesystem cannot
+back kills the writing process with SIGBUS; so a new region is allocated in
+full when it is created (`reserve`), an existing one is checked and completed
+when it is attached (`ensure_backed`), and either refuses with a `ConfigError`
+that says how to get more memory. DAX devices are memory: nothing to reserve.
+
+A page is mapped into a process on its first touch, one fault per 4 KiB page,
+which makes a fresh mapping's first pass a fraction of memory speed. A
+`Populator` maps the region ahead of use with `MADV_POPULATE_WRITE` (Linux 5.14),
+in chunks, from a daemon thread that runs without the GIL, so opening stays fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import re
+import stat
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from maru.errors import BackendError, ConfigError
+
+MADV_POPULATE_WRITE = 23
+"""madvise(2) advice (Linux 5.14): fault pages in writable without touching them."""
+POPULATE_CHUNK = 64 * 2**20
+"""Bytes populated per madvise call: progress granularity and how long `stop` waits."""
+SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+MOUNTINFO = Path("/proc/self/mountinfo")
+SMAPS = Path("/proc/self/smaps")
+HUGE_MODES = ("always", "within_size", "advise")
+"""tmpfs `huge=` values under which a pool can get transparent huge pages."""
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def format_size(nbytes: int) -> str:
+    """`nbytes` for people: '64 MiB', '1.5 GiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes} bytes"
+
+
+# --- reserving the backing -----------------------------------------------------
+
+
+def reserve(fd: int, size: int, capacity: int, label: str) -> None:
+    """Allocate every byte of the region's file now, so that no later write can SIGBUS.
+
+    Raises ConfigError naming the capacity asked for, the space available and how to
+    get more. Allocating only fills holes: data already there is never changed.
+    """
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise BackendError(f"cannot reserve memory for {label}: {exc.strerror}") from None
+        raise no_room(fd, size, capacity, label, exc.errno) from None
+
+
+def no_room(fd: int, size: int, capacity: int, label: str, code: int) -> ConfigError:
+    """The error for a region that does not fit in the memory behind its file."""
+    vfs = os.fstatvfs(fd)
+    held = os.fstat(fd).st_blocks * 512
+    available = vfs.f_bavail * vfs.f_frsize + held
+    if code == errno.ENOMEM:
+        why = "the system (or this container's memory limit) has not enough memory"
+    else:
+        why = f"its filesystem has {format_size(available)} ({available} bytes) for it"
+    fits = max(0, available - (size - capacity))
+    return ConfigError(
+        f"capacity = {capacity}: {label} needs {format_size(size)} ({size} bytes, "
+        f"with its index), but {why}; allowed: a capacity that fits (at most about "
+        f"{format_size(fits)}), or more memory behind the pool: a larger /dev/shm "
+        f"(docker run --shm-size=..., whose default is 64 MiB; Kubernetes: an emptyDir "
+        f"with medium: Memory and a sizeLimit) or a larger memory limit"
+    )
+
+
+def backed(fd: int, size: int) -> bool:
+    """Whether the first `size` bytes of the file have memory or blocks behind them."""
+    info = os.fstat(fd)
+    return not stat.S_ISREG(info.st_mode) or info.st_blocks * 512 >= size
+
+
+def ensure_backed(fd: int, size: int, capacity: int, label: str) -> None:
+    """Complete the backing of an existing region (one created sparse, by an older
+    maru or by hand), or refuse it with the error of `reserve`."""
+    if not backed(fd, size):
+        reserve(fd, size, capacity, label)
+
+
+# --- huge pages ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HugePages:
+    """Whether the region's file can get transparent huge pages, and why."""
+
+    mode: str
+    """The effective policy: always, within_size, advise or never."""
+    reason: str
+
+    @property
+    def offered(self) -> bool:
+        return self.mode in HUGE_MODES
+
+
+def selected(sysfs_text: str) -> str:
+    """The bracketed choice of a sysfs policy file: 'advise' from 'always [advise] never'."""
+    found = re.search(r"\[([a-z_]+)\]", sysfs_text)
+    return found.group(1) if found else sysfs_text.strip() or "never"
+
+
+def huge_policy(shmem_enabled: str, fs_type: str, mount_options: str) -> HugePages:
+    """The huge-page policy for a file, from the shmem_enabled sysfs text and the
+    type and options of the filesystem the file is on.
+
+    A tmpfs file (/dev/shm) follows its mount's `huge=` option (absent: never),
+    unless shmem_enabled is `deny` or `force`, which override every mount.
+    """
+    system = selected(shmem_enabled)
+    if system == "deny":
+        return HugePages("never", "shmem_enabled is deny")
+    if fs_type != "tmpfs":
+        return HugePages("never", f"not on tmpfs ({fs_type or 'unknown filesystem'})")
+    if system == "force":
+        return HugePages("always", "shmem_enabled is force")
+    found = re.search(r"(?:^|,)huge=([a-z_]+)", mount_options)
+    mode = found.group(1) if found else "never"
+    return HugePages(mode, f"tmpfs mounted with huge={mode}, shmem_enabled [{system}]")
+
+
+def mount_of(fd: int, mountinfo: str) -> tuple[str, str]:
+    """(filesystem type, superblock options) of the mount holding the open file."""
+    device = os.fstat(fd).st_dev
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        parts, rest = fields.split(), tail.split()
+        if len(parts) > 2 and parts[2] == wanted and len(rest) >= 3:
+            return rest[0], rest[2]
+    return "", ""
+
+
+def huge_pages_for(fd: int) -> HugePages:
+    """The huge-page policy that applies to the open file `fd`."""
+    if stat.S_ISCHR(os.fstat(fd).st_mode):
+        return HugePages("device", "a DAX device: pages of the device's alignment")
+    fs_type, options = mount_of(fd, _read(MOUNTINFO))
+    return huge_policy(_read(SHMEM_ENABLED) or "[never]", fs_type, options)
+
+
+def advise_huge(region: mmap.mmap, policy: HugePages) -> None:
+    """Ask for huge pages where the policy leaves it to the mapping (huge=advise)."""
+    if policy.mode == "advise":
+        with contextlib.suppress(OSError):  # a kernel without THP: small pages, reported
+            region.madvise(mmap.MADV_HUGEPAGE)
+
+
+def huge_page_bytes_at(address: int) -> int:
+    """Bytes of the mapping at `address` that this process maps with huge pages (smaps)."""
+    start = f"{address:x}-"
+    counting, total = False, 0
+    for line in _read(SMAPS).splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            counting = line.startswith(start)
+        elif counting and re.match(r"^(Shmem|File)PmdMapped:", line):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def address_of(region: mmap.mmap) -> int:
+    """The start address of a mapping (the temporary buffer export ends at once)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(region))
+
+
+# --- populating ------------------------------------------------------------------
+
+
+class Populator:
+    """Maps a region's pages into this process ahead of use.
+
+    `start` populates in a daemon thread (madvise runs without the GIL, one chunk
+    at a time), `run` in the caller's thread; `stop` must be called before the
+    region is unmapped. `state`: no, in progress, yes, unsupported or failed.
+    """
+
+    def __init__(self, region: mmap.mmap, label: str) -> None:
+        self.address = address_of(region)
+        self.total = len(region)
+        self.done = 0
+        self.state = "no"
+        self.error = ""
+        self._label = label
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Populate in the background, unless that has begun or is done."""
+        with self._lock:
+            if self.state != "no" or self._stopping.is_set():
+                return
+            self.state = "in progress"
+            self._thread = threading.Thread(
+                target=self.run, name=f"maru-populate {self._label}", daemon=True
+            )
+            self._thread.start()
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Populate now, calling `progress(done, total)` after each chunk."""
+        self.state = "in progress"
+        while self.done < self.total and not self._stopping.is_set():
+            length = min(POPULATE_CHUNK, self.total - self.done)
+            code = _populate(self.address + self.done, length)
+            if code:
+                unsupported = code == errno.EINVAL
+                self.error = (
+                    "MADV_POPULATE_WRITE needs Linux 5.14 or newer"
+                    if unsupported
+                    else os.strerror(code)
+                )
+                self.state = "unsupported" if unsupported else "failed"
+                return
+            self.done += length
+            if progress:
+                progress(self.done, self.total)
+        self.state = "yes" if self.done == self.total else "no"
+
+    def wait(
+        self, progress: Callable[[int, int], None] | None = None, interval: float = 0.5
+    ) -> str:
+        """Wait for a background populate to end, reporting progress; the final state."""
+        thread = self._thread
+        while thread is not None and thread.is_alive():
+            thread.join(interval)
+            if progress and thread.is_alive():
+                progress(self.done, self.total)
+        return self.state
+
+    def check(self) -> None:
+        """Raise BackendError if populating did not succeed (for `prefault: true`)."""
+        if self.state in ("failed", "unsupported"):
+            raise BackendError(f"cannot prefault {self._label}: {self.error}")
+
+    def stop(self) -> None:
+        """Stop a background populate and wait for its current chunk (before unmapping)."""
+        self._stopping.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+
+def _populate(address: int, length: int) -> int:
+    """madvise(MADV_POPULATE_WRITE) on a range; 0 or the errno (EINTR, EAGAIN retried)."""
+    while _libc.madvise(address, length, MADV_POPULATE_WRITE) != 0:
+        code = ctypes.get_errno()
+        if code not in (errno.EINTR, errno.EAGAIN):
+            return code
+    return 0
+
+
+# --- a pool's memory ---------------------------------------------------------------
+
+
+@dataclass
+class Memory:
+    """What a pool's mapping got: its huge-page policy and its populator."""
+
+    huge: HugePages
+    populator: Populator
+
+    def report(self) -> dict[str, str | int]:
+        """Huge pages (yes, no, or device: a DAX device's own page size) and why; populated
+        (no, in progress, yes, unsupported, failed) and how far."""
+        mapped = huge_page_bytes_at(self.populator.address)
+        return {
+            "huge_pages": "device" if self.huge.mode == "device" else "yes" if mapped else "no",
+            "huge_page_bytes": mapped,
+            "huge_page_policy": self.huge.reason,
+            "populated": self.populator.state,
+            "populated_bytes": self.populator.done,
+        }
+
+
+def prepare(fd: int, region: mmap.mmap, capacity: int, label: str, *, new: bool) -> Memory:
+    """Reserve a new region's backing (or complete an existing one's), with huge pages
+    where they are offered; the Memory whose populator the caller starts.
+
+    On a tmpfs mounted with huge=advise, allocating the file would take small pages,
+    so the region is populated first, through a mapping that asked for huge pages.
+    """
+    huge = huge_pages_for(fd)
+    advise_huge(region, huge)
+    populator = Populator(region, label)
+    if not new:
+        ensure_backed(fd, len(region), capacity, label)
+        return Memory(huge, populator)
+    if huge.mode == "advise":
+        populator.run()
+        if populator.state == "failed":
+            raise no_room(fd, len(region), capacity, label, errno.ENOSPC)
+    reserve(fd, len(region), capacity, label)
+    return Memory(huge, populator)
