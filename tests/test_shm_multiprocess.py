@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import multiprocessing
 import os
 import signal
@@ -274,3 +276,114 @@ def test_a_forked_child_uses_the_pool_while_the_parent_writes(pool_names) -> Non
         assert store.get(b"child-reserved") == payload("child-reserved", 1000)
         assert store.stats().reclaimed == 0
         assert store.pool.audit() == []
+
+
+HANDLE_ROUNDS = 6
+
+
+def wait_for_allocations(pressure, amount: int) -> None:
+    """Until the pressure processes have allocated `amount` more bytes (hang guard 60 s)."""
+    target, deadline = pressure.value + amount, time.monotonic() + 60
+    while pressure.value < target:
+        assert time.monotonic() < deadline, "the pressure processes stopped allocating"
+        time.sleep(0.001)
+
+
+def write_with_a_second_handle(name: str, writer: int, pressure, results) -> None:
+    """Reserve objects; while each is open, open and close a second handle on the pool
+    and let the others allocate past the whole pool twice; then finish and commit."""
+    rng, lost = np.random.default_rng(writer), 0
+    with open_pool(name) as store:
+        for i in range(HANDLE_ROUNDS):
+            key = f"w{writer}-{i}"
+            data = payload(key, int(rng.choice([MIB // 4, MIB // 2, MIB, 2 * MIB])))
+            try:
+                with store.reserve(key, len(data)) as buffer:
+                    buffer[: len(data) // 2] = data[: len(data) // 2]
+                    open_pool(name).close()
+                    wait_for_allocations(pressure, 2 * 8 * MIB)
+                    buffer[len(data) // 2 :] = data[len(data) // 2 :]
+            except maru.BackendError:
+                lost += 1
+    results.put(("lost", lost))
+
+
+def allocate_and_verify(name: str, index: int, pressure, done, results) -> None:
+    """Put objects under eviction pressure; read back recent ones and the writers' ones,
+    and count every read whose bytes are not the object's own."""
+    rng, reads, wrong = np.random.default_rng(100 + index), 0, 0
+    recent: collections.deque[tuple[str, bytes]] = collections.deque(maxlen=3)
+    with open_pool(name) as store:
+        for i in itertools.count():
+            if done.is_set():
+                break
+            key = f"p{index}-{i}"
+            data = payload(key, int(rng.choice([MIB // 4, MIB // 2])))
+            if store.put(key, data):
+                recent.append((key, data))
+                with pressure.get_lock():
+                    pressure.value += len(data)
+            writer_key = f"w{rng.integers(2)}-{rng.integers(HANDLE_ROUNDS)}"
+            for other, expected in [*recent, (writer_key, None)]:
+                found = store.get(other)
+                if found is not None:
+                    reads += 1
+                    wrong += found != (expected or payload(other, len(found)))
+    results.put(("wrong", (reads, wrong)))
+
+
+@pytest.mark.slow
+def test_a_second_handle_closed_mid_reservation_keeps_the_writer_alive(pool_names) -> None:
+    name = pool_names()
+    pressure, done, results = SPAWN.Value("q", 0), SPAWN.Event(), SPAWN.Queue()
+    with open_pool(name):
+        pressers = [
+            SPAWN.Process(target=allocate_and_verify, args=(name, i, pressure, done, results))
+            for i in range(2)
+        ]
+        writers = [
+            SPAWN.Process(target=write_with_a_second_handle, args=(name, w, pressure, results))
+            for w in range(2)
+        ]
+        for process in pressers + writers:
+            process.start()
+        outcomes = [results.get(timeout=120) for _ in writers]
+        done.set()
+        outcomes += [results.get(timeout=60) for _ in pressers]
+        for process in pressers + writers:
+            process.join(60)
+            assert process.exitcode == 0
+        lost = sum(value for kind, value in outcomes if kind == "lost")
+        reads = [value for kind, value in outcomes if kind == "wrong"]
+        assert lost == 0, f"{lost} live reservations were reclaimed"
+        assert sum(r for r, _ in reads) > 50
+        assert [w for _, w in reads] == [0, 0], "a reader got another object's bytes"
+
+
+def reserve_fork_and_hang(name: str, pids) -> None:
+    """Hold a reservation, fork a child that never touches the pool, and wait."""
+    store = open_pool(name)
+    with store.reserve(b"doomed", 5 * MIB):
+        child = os.fork()
+        if child == 0:
+            time.sleep(600)
+            os._exit(0)
+        pids.put(child)
+        time.sleep(600)
+
+
+def test_a_forked_child_does_not_keep_a_dead_parent_s_reservation_alive(pool_names) -> None:
+    name = pool_names()
+    pids = SPAWN.Queue()
+    parent = SPAWN.Process(target=reserve_fork_and_hang, args=(name, pids))
+    parent.start()
+    child = pids.get(timeout=60)
+    try:
+        with open_pool(name) as store:
+            assert store.put(b"doomed", b"other") is False, "the parent is alive"
+            os.kill(parent.pid, signal.SIGKILL)
+            parent.join()
+            assert store.put(b"doomed", b"now mine"), "the parent's reservation is reclaimed"
+            assert store.stats().reclaimed == 1
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -27,7 +27,14 @@ import numpy as np
 from maru.backends.base import StoreStats
 from maru.backends.pool.allocator import Allocator
 from maru.backends.pool.index import Index, key_hash, key_hashes
-from maru.backends.pool.locks import Mutex, WriterSlots, reset_after_fork
+from maru.backends.pool.locks import (
+    Mutex,
+    WriterSlots,
+    forget_after_fork,
+    lock_descriptor,
+    lock_descriptor_in_child,
+    reset_after_fork,
+)
 from maru.backends.pool.region import (
     ALIGN,
     COMMITTED,
@@ -68,16 +75,18 @@ class Pool:
         self.users = 0
         self.tables = Tables(region, geometry)
         self.index = Index(self.tables, geometry.buckets)
-        self.writers = WriterSlots(fd, self.tables, label)
+        self._lock_fd = lock_descriptor(fd)
+        self.writers = WriterSlots(self._lock_fd, self.tables, label)
         self.allocator = Allocator(self.tables, self.index, geometry, self.writers.alive)
-        self._mutex = Mutex(fd)
+        self._mutex = Mutex(self._lock_fd)
         reset_after_fork(self)
 
     def after_fork(self) -> None:
-        """In a forked child: fresh thread locks, no writer slot and no reservation of
-        the parent's (the child takes its own slot when it first writes)."""
-        self._mutex.after_fork()
-        self.writers.after_fork()
+        """In a forked child: a lock descriptor of its own, fresh thread locks, no writer
+        slot and no reservation of the parent's (it takes a slot when it first writes)."""
+        self._lock_fd = lock_descriptor_in_child(self._lock_fd)
+        self._mutex.after_fork(self._lock_fd)
+        self.writers.after_fork(self._lock_fd)
 
     @property
     def creation_id(self) -> str:
@@ -293,6 +302,10 @@ class Pool:
 
     def close(self) -> None:
         """Unmap and close (views still exported keep the mapping alive until released)."""
+        forget_after_fork(self)
+        if self._lock_fd >= 0:
+            self.writers.release()
+            os.close(self._lock_fd)
         self.tables.release()
         with contextlib.suppress(BufferError):
             self.region.close()

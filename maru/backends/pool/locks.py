@@ -1,13 +1,21 @@
 """Locks on the region's file: the pool mutex, and writer slots that tell whether
 the writer of a pending reservation is still alive; and what a forked child resets.
 
-Both are `fcntl` byte locks, which the kernel drops when their owner dies, so a
-crashed process never hangs the others and its reservations can be reclaimed.
+Both are byte locks on the region's file, which the kernel drops when their owner
+goes, so a crashed process never hangs the others and its reservations can be
+reclaimed. They are open-file-description (OFD) locks, not POSIX record locks:
+a POSIX lock belongs to the process and is dropped when the process closes *any*
+descriptor of the file (a second store handle on the pool, or anything else that
+opens and closes /dev/shm/maru-NAME), which silently made a live writer look
+dead. An OFD lock belongs to the descriptor that took it and lasts until that
+descriptor, the pool's own, is closed: a writer stays live as long as its
+process lives with the pool open.
 
-A forked child inherits the parent's objects but not its locks: thread locks
-another thread held at the fork would never be released, and the parent's
-writer slot is not the child's. Objects registered with `reset_after_fork`
-start clean in every child.
+OFD locks do not exclude threads that share a descriptor (a thread lock does),
+and a forked child shares its parent's descriptor and so its locks: each child
+gets a descriptor of its own, fresh thread locks and no writer slot (objects
+registered with `reset_after_fork`), so it never holds, or releases, or keeps
+alive, what is its parent's.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
+import struct
 import threading
 import weakref
 from typing import Protocol
@@ -25,6 +34,41 @@ from maru.errors import BackendError
 MUTEX_BYTE = 0
 SLOT_LOCK_BASE = 1
 TOKEN_MASK = 2**48 - 1
+_FLOCK = "hhqqi4x"
+"""struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)."""
+_LOST = (
+    "this pool was inherited across fork and this process could not open it again; "
+    "open the store again in the child"
+)
+
+
+def _fcntl_lock(fd: int, command: int, kind: int, offset: int) -> bytes:
+    """One OFD lock call on the byte at `offset`; returns the kernel's struct flock."""
+    if fd < 0:
+        raise BackendError(_LOST)
+    return fcntl.fcntl(fd, command, struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0))
+
+
+def _lock(fd: int, offset: int) -> None:
+    _fcntl_lock(fd, fcntl.F_OFD_SETLKW, fcntl.F_WRLCK, offset)
+
+
+def _unlock(fd: int, offset: int) -> None:
+    _fcntl_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, offset)
+
+
+def _try_lock(fd: int, offset: int) -> bool:
+    try:
+        _fcntl_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, offset)
+    except (BlockingIOError, PermissionError):
+        return False
+    return True
+
+
+def _locked_by_another(fd: int, offset: int) -> bool:
+    """Does another descriptor hold the byte? (Asks without taking it.)"""
+    kind = struct.unpack(_FLOCK, _fcntl_lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, offset))[0]
+    return kind != fcntl.F_UNLCK
 
 
 class ForkAware(Protocol):
@@ -36,8 +80,13 @@ _fork_aware: weakref.WeakSet[ForkAware] = weakref.WeakSet()
 
 
 def reset_after_fork(item: ForkAware) -> None:
-    """Call `item.after_fork()` in the child of every later fork, while `item` lives."""
+    """Call `item.after_fork()` in the child of every later fork, until forgotten."""
     _fork_aware.add(item)
+
+
+def forget_after_fork(item: ForkAware) -> None:
+    """Stop calling `item.after_fork()`."""
+    _fork_aware.discard(item)
 
 
 def _in_forked_child() -> None:
@@ -48,8 +97,30 @@ def _in_forked_child() -> None:
 os.register_at_fork(after_in_child=_in_forked_child)
 
 
+def lock_descriptor(fd: int) -> int:
+    """A descriptor of `fd`'s file with an open file description of its own, to take
+    the pool's locks through. Not `fd` itself: mmap keeps a duplicate of the descriptor
+    it maps, and every duplicate (a forked child's too) would keep those locks alive."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise BackendError(f"cannot open the pool's file for its locks: {exc}") from None
+
+
+def lock_descriptor_in_child(inherited: int) -> int:
+    """In a forked child: close the inherited lock descriptor (the parent's, with the
+    parent's locks) and open one of the child's own; -1 if that fails, and then every
+    lock refuses with a BackendError."""
+    try:
+        return lock_descriptor(inherited)
+    except BackendError:
+        return -1
+    finally:
+        os.close(inherited)
+
+
 class Mutex:
-    """Thread lock plus an fcntl byte lock: excludes threads and processes."""
+    """Thread lock plus an OFD byte lock: excludes threads and processes."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
@@ -58,36 +129,30 @@ class Mutex:
     def __enter__(self) -> None:
         self._thread_lock.acquire()
         try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, MUTEX_BYTE)
+            _lock(self._fd, MUTEX_BYTE)
         except BaseException:
             self._thread_lock.release()
             raise
 
     def __exit__(self, *exc_info: object) -> None:
-        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, MUTEX_BYTE)
+        _unlock(self._fd, MUTEX_BYTE)
         self._thread_lock.release()
 
-    def after_fork(self) -> None:
-        """A new thread lock: one held by another thread at the fork stays held."""
+    def after_fork(self, fd: int) -> None:
+        """Lock through `fd` from now on, with a new thread lock (one held by another
+        thread at the fork would stay held)."""
+        self._fd = fd
         self._thread_lock = threading.Lock()
 
 
 def lock_region(fd: int) -> None:
     """Take the mutex byte without the thread lock (while the region is set up)."""
-    fcntl.lockf(fd, fcntl.LOCK_EX, 1, MUTEX_BYTE)
+    _lock(fd, MUTEX_BYTE)
 
 
 def unlock_region(fd: int) -> None:
     """Release what `lock_region` took."""
-    fcntl.lockf(fd, fcntl.LOCK_UN, 1, MUTEX_BYTE)
-
-
-def _try_byte_lock(fd: int, offset: int) -> bool:
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
-    except OSError:
-        return False
-    return True
+    _unlock(fd, MUTEX_BYTE)
 
 
 class WriterSlots:
@@ -108,7 +173,7 @@ class WriterSlots:
         """This process's writer id; takes a free slot on first use."""
         if self._slot is None:
             for slot in range(WRITER_SLOTS):
-                if _try_byte_lock(self._fd, SLOT_LOCK_BASE + slot):
+                if _try_lock(self._fd, SLOT_LOCK_BASE + slot):
                     self._token = secrets.randbits(62) + 1
                     self._tables.set(SLOT_TOKENS + slot, self._token)
                     self._slot = slot
@@ -121,9 +186,17 @@ class WriterSlots:
         """Is `writer` this process's writer id (so its reservations are ours)?"""
         return self._slot is not None and writer == self.writer()
 
-    def after_fork(self) -> None:
-        """Forget the parent's slot: a child takes a slot of its own when it writes."""
+    def after_fork(self, fd: int) -> None:
+        """Forget the parent's slot: the child takes one of its own (through `fd`, its
+        own descriptor) when it first writes."""
+        self._fd = fd
         self._slot, self._token = None, 0
+
+    def release(self) -> None:
+        """Give up this process's slot (the pool is being closed)."""
+        if self._slot is not None:
+            _unlock(self._fd, SLOT_LOCK_BASE + self._slot)
+            self._slot, self._token = None, 0
 
     def alive(self, writer: int) -> bool:
         """Is the writer with this id still running (caller holds the mutex)?"""
@@ -132,7 +205,4 @@ class WriterSlots:
             return token == self._token & TOKEN_MASK
         if self._tables.get(SLOT_TOKENS + slot) & TOKEN_MASK != token:
             return False
-        if _try_byte_lock(self._fd, SLOT_LOCK_BASE + slot):
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, SLOT_LOCK_BASE + slot)
-            return False
-        return True
+        return _locked_by_another(self._fd, SLOT_LOCK_BASE + slot)
