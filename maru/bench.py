@@ -103,9 +103,9 @@ class Rotation:
         return self._slots[next(self._next)]
 
 
-def pretouched(nbytes: int, seed: int) -> np.ndarray:
-    """A buffer of random bytes whose pages are all mapped."""
-    return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
+def pretouched(nbytes: int, fill: int) -> np.ndarray:
+    """A buffer whose pages are all mapped (written with `fill`)."""
+    return np.full(nbytes, fill, dtype=np.uint8)
 
 
 def _median_seconds(action: Callable[[], object], repeats: int) -> float:

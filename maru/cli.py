@@ -156,7 +156,25 @@ def cmd_pool(args: argparse.Namespace) -> Result:
         if args.action == "stats" and args.watch:
             return _watch(store, args)
         report = _pool_report(store)
+        if args.action == "create":
+            report |= _populated(store)
         return Result(report, _format_pool(report))
+
+
+def _populated(store: Any) -> dict[str, Any]:
+    """Wait for the new mapping to be populated (a progress line on stderr); what the
+    pool's memory got: huge pages or not, populated or not."""
+    from maru.backends.pool.attach import memory_of
+    from maru.backends.pool.memory import format_size
+
+    memory = memory_of(store.pool)
+
+    def progress(done: int, total: int) -> None:
+        line = f"populating: {format_size(done)} of {format_size(total)}"
+        print(line, file=sys.stderr, flush=True)
+
+    memory.populator.wait(progress)
+    return memory.report()
 
 
 def _watch(store: Any, args: argparse.Namespace) -> Result:

@@ -53,7 +53,9 @@ class CxlOptions(Options):
     name: PoolName = Field("cxl", description="numa: shared memory pool name")
     file_mode: FileMode = Field(0o600, description="permissions of files maru creates")
     align: Size = Field(2 * 2**20, description="emulated: alignment a real device would have")
-    prefault: bool = Field(False, description="touch every page at open instead of on use")
+    prefault: bool = Field(
+        False, description="wait at open until every page is mapped (else in the background)"
+    )
     sysfs_root: Path = Field(Path("/sys"), description="where sysfs is (tests use a fake)")
 
     @model_validator(mode="after")

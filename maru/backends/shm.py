@@ -53,7 +53,9 @@ class ShmOptions(Options):
 
     name: PoolName = Field("default", description="pool name; processes with one name share it")
     mode: FileMode = Field(0o600, description="permissions, e.g. '0660' for a serving group")
-    prefault: bool = Field(False, description="touch every page at open instead of on use")
+    prefault: bool = Field(
+        False, description="wait at open until every page is mapped (else in the background)"
+    )
 
 
 def shm_path(name: str) -> Path:

@@ -31,8 +31,8 @@ class RegionSpec:
 
     `device_size` is set for a device that cannot be resized (devdax): the pool
     must fit in it. `before_init` runs on a new mapping before any page is
-    written or reserved (NUMA binding). `prefault` waits for the mapping to be
-    populated instead of populating in the background.
+    written or reserved (NUMA binding). `populate` maps every page into this
+    process in the background, and `prefault` waits for that before returning.
     """
 
     path: str
@@ -42,6 +42,7 @@ class RegionSpec:
     mode: int = 0o600
     create: bool = True
     prefault: bool = False
+    populate: bool = True
     device_size: int | None = None
     before_init: Callable[[mmap.mmap], None] | None = None
 
@@ -72,7 +73,8 @@ def attach(spec: RegionSpec) -> Pool:
         if fd >= 0:
             os.close(fd)
     populator = _memory[pool].populator
-    populator.start()
+    if spec.populate or spec.prefault:
+        populator.start()
     if spec.prefault:
         populator.wait()
         populator.check()

@@ -17,7 +17,7 @@ class PoolBackend(Backend):
     def __init__(self, config: Any, *, create: bool = True) -> None:
         super().__init__(config)
         spec = self.region_spec()
-        self.pool = attach(spec if create else replace(spec, create=False))
+        self.pool = attach(spec if create else replace(spec, create=False, populate=False))
 
     @abstractmethod
     def region_spec(self) -> RegionSpec:
