@@ -17,7 +17,8 @@ import numpy as np
 from maru.errors import BackendError, ConfigError
 
 MAGIC = b"MARUPOOL"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: 64-bit BLAKE2b key hashes (1: CRC-32 and length)."""
 ALIGN = 64
 PAGE = 4096
 BYTES_PER_ENTRY = 64 * 1024
