@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import maru
-from maru.backends.pool import region
+from maru.backends.pool import attach, region
 from maru.backends.pool.core import SMALL_COPY
 from maru.testing import payload
 from tests.conftest import call_with_deadline
@@ -387,3 +387,20 @@ def test_a_forked_child_does_not_keep_a_dead_parent_s_reservation_alive(pool_nam
             assert store.stats().reclaimed == 1
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def open_put_and_report(name: str, results) -> None:
+    with open_pool(name) as store:
+        results.put(store.put(b"from the child", b"hello"))
+
+
+def test_a_child_forked_while_a_pool_was_being_opened_can_open_pools(pool_names) -> None:
+    name, results = pool_names(), FORK.Queue()
+    with attach._open_pools_lock:  # as another thread of this process opening a pool holds it
+        child = FORK.Process(target=open_put_and_report, args=(name, results))
+        child.start()
+    try:
+        assert results.get(timeout=30) is True
+    finally:
+        child.kill()
+        child.join()

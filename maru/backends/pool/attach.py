@@ -25,6 +25,15 @@ _memory: dict[Pool, Memory] = {}
 _open_pools_lock = threading.Lock()
 
 
+def _fresh_lock_in_child() -> None:
+    """In a forked child: another thread may have held the lock at the fork."""
+    global _open_pools_lock
+    _open_pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 @dataclass(frozen=True)
 class RegionSpec:
     """Where a pool's mapping comes from and how to make it.
