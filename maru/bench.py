@@ -117,6 +117,13 @@ def _median_seconds(action: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _timed(action: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """(seconds, result) of one call; its arguments are evaluated outside the timing."""
+    started = time.perf_counter()
+    result = action(*args)
+    return time.perf_counter() - started, result
+
+
 def memcpy_seconds(sources: Rotation, targets: Rotation, repeats: int) -> float:
     """Median seconds of one copy between rotating buffers: the baseline."""
     return _median_seconds(lambda: np.copyto(targets(), sources()), repeats)
@@ -132,24 +139,32 @@ def bench_size(
 ) -> SizeResult:
     """put and get_into of `size`-byte objects, and memcpy of the same bytes.
 
-    Each repetition writes a new object and reads a different one, as serving
-    does, from and into rotating buffers. With `wrap`, the store is first filled
-    once, so that every measured put evicts. The keys written are added to `written`.
+    Each repetition copies once (the baseline), writes a new object and reads an
+    older one, as serving does, from and into rotating buffers; interleaving the
+    three keeps the machine's drift out of the ratios. With `wrap` the store is
+    first filled once, so that every measured put evicts; the objects read, the
+    last of the fill, are read often enough to be kept. The keys written are added
+    to `written`.
     """
     repeats = max(5, min(200, BENCH_BYTES // size))
     sources, targets = Rotation(arenas[0], size), Rotation(arenas[1], size)
-    if wrap:
-        fill = [f"fill-{run}-{i}".encode() for i in range(store.stats().capacity // size + 1)]
-        written.extend(fill)
-        for key in fill:
-            store.put(key, sources())
-    memcpy = memcpy_seconds(sources, targets, repeats)
-    keys = [f"bench-{run}-{size}-{i}".encode() for i in range(repeats)]
-    written.extend(keys)
-    puts, gets = iter(keys), itertools.cycle(keys)
-    put = _median_seconds(lambda: store.put(next(puts), sources()), repeats)
-    get = _median_seconds(lambda: store.get_into(next(gets), targets()), repeats)
-    _check_read_back(store, keys[-1], size)
+    capacity = store.stats().capacity
+    kept = max(1, min(len(arenas[0]) // size, capacity // (4 * size)))
+    for i in range(capacity // size + 1 if wrap else kept):
+        written.append(f"fill-{run}-{i}".encode())
+        store.put(written[-1], sources())
+    reads = itertools.cycle(written[-kept:])
+    samples: dict[str, list[float]] = {"memcpy": [], "put": [], "get": []}
+    for i in range(repeats):
+        written.append(f"bench-{run}-{i}".encode())
+        samples["memcpy"].append(_timed(np.copyto, targets(), sources())[0])
+        samples["put"].append(_timed(store.put, written[-1], sources())[0])
+        seconds, found = _timed(store.get_into, next(reads), targets())
+        if found is None:
+            raise maru.BackendError(f"benchmark missed a {size}-byte object it wrote")
+        samples["get"].append(seconds)
+    _check_read_back(store, written[-1], size)
+    memcpy, put, get = (statistics.median(samples[name]) for name in ("memcpy", "put", "get"))
     return SizeResult(size, size / memcpy / 1e9, size / put / 1e9, size / get / 1e9)
 
 
