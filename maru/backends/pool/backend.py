@@ -23,22 +23,28 @@ class PoolBackend(Backend):
     def region_spec(self) -> RegionSpec:
         """Where this backend's pool lives."""
 
+    @property
+    def checksum(self) -> bool:
+        """Write a checksum with every object and verify every load against it (the
+        `checksum` option; a backend whose options lack it never does)."""
+        return bool(getattr(self.options, "checksum", False))
+
     def _put(self, key: bytes, data: memoryview) -> bool:
         if data.nbytes <= SMALL_COPY:
-            return self.pool.put_small(key, data)
+            return self.pool.put_small(key, data, self.checksum)
         return super()._put(key, data)
 
     def _begin(self, key: bytes, nbytes: int) -> tuple[Any, memoryview] | None:
         return self.pool.reserve(key, nbytes)
 
     def _commit(self, handle: Handle) -> None:
-        self.pool.commit(handle)
+        self.pool.commit(handle, self.checksum)
 
     def _abort(self, handle: Handle) -> None:
         self.pool.abort(handle)
 
     def _get(self, key: bytes) -> bytes | None:
-        view = self.pool.read(key, lambda size: memoryview(bytearray(size)))
+        view = self.pool.read(key, lambda size: memoryview(bytearray(size)), self.checksum)
         return None if view is None else bytes(view)
 
     def _get_into(self, key: bytes, out: memoryview) -> int | None:
@@ -47,7 +53,7 @@ class PoolBackend(Backend):
                 raise self.too_small(key, size, out)
             return out
 
-        view = self.pool.read(key, fits)
+        view = self.pool.read(key, fits, self.checksum)
         return None if view is None else view.nbytes
 
     def _contains(self, keys: list[bytes]) -> list[bool]:

@@ -26,6 +26,8 @@ import numpy as np
 
 from maru.backends.base import StoreStats
 from maru.backends.pool.allocator import Allocator
+from maru.backends.pool.checksum import NO_CHECKSUM, intact
+from maru.backends.pool.checksum import checksum as object_checksum
 from maru.backends.pool.index import Index, key_hash, key_hashes
 from maru.backends.pool.locks import (
     Mutex,
@@ -38,6 +40,7 @@ from maru.backends.pool.locks import (
 from maru.backends.pool.region import (
     ALIGN,
     COMMITTED,
+    CORRUPT,
     DIRTY,
     EVICTIONS,
     FREE,
@@ -146,9 +149,11 @@ class Pool:
         start = int(t.offset[entry]) + len(key)
         return (entry, generation), t.data_view[start : start + nbytes]
 
-    def put_small(self, key: bytes, data: memoryview) -> bool:
-        """Store a small object in one critical section (cheaper than reserve + commit)."""
+    def put_small(self, key: bytes, data: memoryview, checksum: bool = False) -> bool:
+        """Store a small object in one critical section (cheaper than reserve + commit);
+        with `checksum`, loads that verify will check it against the bytes given."""
         span, hashed, writer = self._prepare(key, data.nbytes)
+        check = object_checksum(data) if checksum else NO_CHECKSUM
         t = self.tables
         with self.changing():
             entry = self.allocator.claim(key, hashed, span, data.nbytes, writer)
@@ -156,8 +161,7 @@ class Pool:
                 return False
             start = int(t.offset[entry]) + len(key)
             t.data_view[start : start + data.nbytes] = data
-            t.state[entry] = COMMITTED
-            t.add(OBJECTS, 1)
+            self._publish(entry, check)
             return True
 
     def _prepare(self, key: bytes, nbytes: int) -> tuple[int, int, int]:
@@ -170,13 +174,14 @@ class Pool:
             )
         return span, key_hash(key), self.writers.writer()
 
-    def commit(self, handle: Handle) -> None:
-        """Make a reservation visible; refused unless it is still this process's own."""
+    def commit(self, handle: Handle, checksum: bool = False) -> None:
+        """Make a reservation visible; refused unless it is still this process's own.
+        With `checksum`, loads that verify will check it against the bytes as they are now."""
+        check = self._reserved_checksum(handle[0]) if checksum else NO_CHECKSUM
         with self.changing():
             ours = self._own_reservation(handle)
             if ours:
-                self.tables.state[handle[0]] = COMMITTED
-                self.tables.add(OBJECTS, 1)
+                self._publish(handle[0], check)
         if not ours:
             raise BackendError(
                 f"{self.label}: reservation was reclaimed before commit, or belongs to "
@@ -188,6 +193,19 @@ class Pool:
         with self.changing():
             if self._own_reservation(handle):
                 self.allocator.free(handle[0])
+
+    def _reserved_checksum(self, entry: int) -> int:
+        """The checksum of a reservation's bytes. Read without the lock: the reservation
+        is this process's, and if it was reclaimed meanwhile commit refuses it anyway."""
+        t = self.tables
+        start = int(t.offset[entry] + t.key_len[entry])
+        return object_checksum(t.data_view[start : start + int(t.length[entry])])
+
+    def _publish(self, entry: int, check: int) -> None:
+        """Commit a pending entry with its checksum (caller is changing the pool)."""
+        self.tables.check[entry] = check
+        self.tables.state[entry] = COMMITTED
+        self.tables.add(OBJECTS, 1)
 
     def _own_reservation(self, handle: Handle) -> bool:
         """Is the reservation still pending, unreclaimed, and written by this process?"""
@@ -201,8 +219,27 @@ class Pool:
 
     # --- readers -------------------------------------------------------------
 
-    def read(self, key: bytes, out_for: Callable[[int], memoryview]) -> memoryview | None:
-        """Copy the object into `out_for(size)`; the filled view, or None on a miss."""
+    def read(
+        self, key: bytes, out_for: Callable[[int], memoryview], verify: bool = False
+    ) -> memoryview | None:
+        """Copy the object into `out_for(size)`; the filled view, or None on a miss.
+
+        With `verify`, an object whose bytes do not match the checksum written at its
+        commit is a miss, and is removed (counted in `corrupt`)."""
+        copied = self._copy(key, out_for)
+        if copied is None:
+            return None
+        out, entry, generation, check = copied
+        if verify and not intact(check, out):
+            self._discard_corrupt(entry, generation)
+            return None
+        return out
+
+    def _copy(
+        self, key: bytes, out_for: Callable[[int], memoryview]
+    ) -> tuple[memoryview, int, int, int] | None:
+        """(filled view, entry, generation, stored checksum) of a committed object, or
+        None on a miss; counts the hit or the miss."""
         hashed = key_hash(key)
         t = self.tables
         with self.locked():
@@ -213,18 +250,29 @@ class Pool:
             t.hot[entry] = 1
             start = int(t.offset[entry] + t.key_len[entry])
             size, generation = int(t.length[entry]), int(t.gen[entry])
+            check = int(t.check[entry])
             out = out_for(size)[:size]
             if size <= SMALL_COPY:
                 out[:] = t.data_view[start : start + size]
                 t.add(HITS, 1)
-                return out
+                return out, entry, generation, check
         out[:] = t.data_view[start : start + size]
         with self.locked():
             if t.gen[entry] != generation:
                 t.add(MISSES, 1)
                 return None
             t.add(HITS, 1)
-        return out
+        return out, entry, generation, check
+
+    def _discard_corrupt(self, entry: int, generation: int) -> None:
+        """Count a load that failed its checksum as a miss, and free the object."""
+        t = self.tables
+        with self.changing():
+            t.add(CORRUPT, 1)
+            t.add(HITS, -1)
+            t.add(MISSES, 1)
+            if t.gen[entry] == generation:
+                self.allocator.free(entry)
 
     def contains(self, keys: list[bytes]) -> list[bool]:
         """One answer per key, in one pass over the index."""
@@ -298,6 +346,7 @@ class Pool:
             "entries": g.entries,
             "index_overhead_bytes": g.overhead,
             "recoveries": self.tables.get(RECOVERIES),
+            "corrupt": self.tables.get(CORRUPT),
         }
 
     def close(self) -> None:

@@ -17,8 +17,8 @@ import numpy as np
 from maru.errors import BackendError, ConfigError
 
 MAGIC = b"MARUPOOL"
-FORMAT_VERSION = 2
-"""2: 64-bit BLAKE2b key hashes (1: CRC-32 and length)."""
+FORMAT_VERSION = 3
+"""3: a checksum field per entry; 2: 64-bit BLAKE2b key hashes (1: CRC-32 and length)."""
 ALIGN = 64
 PAGE = 4096
 BYTES_PER_ENTRY = 64 * 1024
@@ -56,7 +56,8 @@ NO_LINK = 2**64 - 1
     EVICTIONS,
     RECLAIMED,
     RECOVERIES,
-) = range(1, 23)
+    CORRUPT,
+) = range(1, 24)
 SLOT_TOKENS = 64
 """Word index where the writer-slot tokens start (one word per slot)."""
 HEADER_BYTES = -(-(SLOT_TOKENS + WRITER_SLOTS) * 8 // PAGE) * PAGE
@@ -70,6 +71,7 @@ ENTRY_FIELDS = (  # name, dtype: struct of arrays, each `entries` long
     ("key_len", np.int64),
     ("gen", np.int64),
     ("writer", np.int64),
+    ("check", np.uint64),
 )
 LINK_FIELDS = ("prev", "next", "chain", "hot")  # int32 each
 
@@ -155,6 +157,7 @@ class Tables:
     key_len: np.ndarray
     gen: np.ndarray
     writer: np.ndarray
+    check: np.ndarray
     prev: np.ndarray
     next: np.ndarray
     chain: np.ndarray
