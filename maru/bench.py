@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 import maru
-from maru.backends.pool.attach import memory_of
+from maru.backends.pool import memory_of
 
 KIB, MIB = 2**10, 2**20
 DEFAULT_SIZES = (64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 32 * MIB)

@@ -164,8 +164,7 @@ def cmd_pool(args: argparse.Namespace) -> Result:
 def _populated(store: Any) -> dict[str, Any]:
     """Wait for the new mapping to be populated (a progress line on stderr); what the
     pool's memory got: huge pages or not, populated or not."""
-    from maru.backends.pool.attach import memory_of
-    from maru.backends.pool.memory import format_size
+    from maru.backends.pool import format_size, memory_of
 
     memory = memory_of(store.pool)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +88,19 @@ def test_bench_reports_every_size_as_a_ratio_to_memcpy() -> None:
         )
     assert "ratio to memcpy" in format_report(report)
     assert "first pass of a fresh 64 MiB pool" in format_report(report)
+
+
+PRIVATE_POOL_IMPORT = re.compile(r"^\s*(from|import)\s+maru\.backends\.(pool\.|_)", re.M)
+
+
+def test_code_outside_the_backends_uses_only_the_public_pool_interface() -> None:
+    root = Path(__file__).resolve().parent.parent
+    sources = [
+        path
+        for folder in ("maru", "tools", "benchmarks", "examples")
+        for path in (root / folder).rglob("*.py")
+        if "backends" not in path.relative_to(root).parts
+    ]
+    assert len(sources) > 10
+    offenders = [str(p) for p in sources if PRIVATE_POOL_IMPORT.search(p.read_text())]
+    assert offenders == [], "import what they need from maru.backends.pool"

@@ -5,19 +5,22 @@ the data. There is no server: processes coordinate through the region and
 `fcntl` locks on its file. The modules, one concern each:
 
 - `region`: the format (magic, version, header words, geometry, table views);
-- `locks`: the pool mutex and writer slots (liveness of writers);
+- `locks`: the pool mutex and writer slots (liveness of writers), fork handling;
 - `index`: key hashes and bucket chains;
 - `allocator`: allocation with a clock hand, eviction, freeing;
+- `checksum`: the optional per-object checksum;
 - `core`: `Pool`, which composes them into reserve/commit/read/contains/...;
 - `attach`: creating, mapping and sharing a region within a process;
+- `memory`: backing, population and huge pages of a mapping;
 - `backend`: `PoolBackend`, the Backend contract over a Pool.
 
 Code outside `maru/backends/` uses only what this module exports.
 """
 
-from maru.backends.pool.attach import RegionSpec
+from maru.backends.pool.attach import RegionSpec, memory_of
 from maru.backends.pool.backend import PoolBackend
 from maru.backends.pool.core import Pool
+from maru.backends.pool.memory import format_size
 from maru.backends.pool.region import Geometry
 
-__all__ = ["Geometry", "Pool", "PoolBackend", "RegionSpec"]
+__all__ = ["Geometry", "Pool", "PoolBackend", "RegionSpec", "format_size", "memory_of"]
