@@ -97,9 +97,15 @@ class Index:
         return found
 
     def rebuild(self, live: np.ndarray) -> None:
-        """Chain every live entry anew (the chain links of free entries are cleared)."""
+        """Chain every live entry anew (the chain links of free entries are cleared):
+        sorted by bucket, each entry links to the next of its bucket, in one pass."""
         t = self._t
         t.buckets[:] = NONE
         t.chain[:] = NONE
-        for entry in live.tolist():
-            self.insert(entry, int(t.hash[entry]))
+        buckets = (t.hash[live] & np.uint64(self._mask)).view(np.int64)
+        order = np.argsort(buckets, kind="stable")
+        entries, buckets = live[order], buckets[order]
+        same = buckets[1:] == buckets[:-1]
+        t.chain[entries[:-1][same]] = entries[1:][same]
+        heads = np.flatnonzero(np.concatenate(([True], ~same)))[: len(entries)]
+        t.buckets[buckets[heads]] = entries[heads]
