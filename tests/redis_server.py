@@ -110,12 +110,16 @@ class RedisCluster:
              "--cluster-yes"], check=True, capture_output=True, timeout=60)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            state = subprocess.run([redis_binary("redis-cli"), "-p", str(self.nodes[0].port),
-                                    "cluster", "info"], capture_output=True, text=True)
-            if "cluster_state:ok" in state.stdout:
+            if all(self._ready(node) for node in self.nodes):
                 return self
             time.sleep(0.2)
         raise RuntimeError("the Redis Cluster did not become ready")
+
+    def _ready(self, node: RedisServer) -> bool:
+        """Whether `node` serves: each node learns the cluster's state by gossip, on its own."""
+        info = subprocess.run([redis_binary("redis-cli"), "-p", str(node.port), "cluster",
+                               "info"], capture_output=True, text=True).stdout
+        return "cluster_state:ok" in info and f"cluster_known_nodes:{len(self.nodes)}" in info
 
     def stop(self) -> None:
         for node in self.nodes:
