@@ -206,6 +206,17 @@ def test_closing_stops_a_populate_in_progress(pool_names) -> None:
     assert populator.done <= populator.total
 
 
+def test_a_forked_child_starts_unpopulated(pool_names) -> None:
+    """fork copies no page tables of a shared mapping: the child's pages are not mapped."""
+    with maru.open_store(shm_config(pool_names(), "16MiB", prefault=True)) as store:
+        populator = memory_of(store.pool).populator
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if (populator.state, populator.done) == ("no", 0) else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert populator.state == "yes"
+
+
 def test_pool_create_reports_huge_pages_and_populated(shm_dir, tmp_path, capsys) -> None:
     config = tmp_path / "maru.yaml"
     config.write_text("backend: shm\ncapacity: 16MiB\nshm:\n  name: cli\n")

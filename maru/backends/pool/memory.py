@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from maru.backends.pool.locks import reset_after_fork
 from maru.errors import BackendError, ConfigError
 
 MADV_POPULATE_WRITE = 23
@@ -203,7 +204,9 @@ class Populator:
 
     `start` populates in a daemon thread (madvise runs without the GIL, one chunk
     at a time), `run` in the caller's thread; `stop` must be called before the
-    region is unmapped. `state`: no, in progress, yes, unsupported or failed.
+    region is unmapped. `state`: no, in progress, yes, unsupported or failed. A
+    forked child starts over at "no": fork copies no page tables of a shared file
+    mapping, and no thread.
     """
 
     def __init__(self, region: mmap.mmap, label: str) -> None:
@@ -216,6 +219,15 @@ class Populator:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        reset_after_fork(self)
+
+    def after_fork(self) -> None:
+        """In a forked child: nothing populated, no thread, fresh thread locks."""
+        stopped = self._stopping.is_set()
+        self.done, self.state, self.error = 0, "no", ""
+        self._lock, self._stopping, self._thread = threading.Lock(), threading.Event(), None
+        if stopped:
+            self._stopping.set()
 
     def start(self) -> None:
         """Populate in the background, unless that has begun or is done."""
