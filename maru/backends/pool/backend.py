@@ -16,18 +16,15 @@ class PoolBackend(Backend):
 
     def __init__(self, config: Any, *, create: bool = True) -> None:
         super().__init__(config)
+        # Write a checksum with every object and verify every load against it (the
+        # `checksum` option; a backend whose options lack it never does).
+        self.checksum = bool(getattr(self.options, "checksum", False))
         spec = self.region_spec()
         self.pool = attach(spec if create else replace(spec, create=False, populate=False))
 
     @abstractmethod
     def region_spec(self) -> RegionSpec:
         """Where this backend's pool lives."""
-
-    @property
-    def checksum(self) -> bool:
-        """Write a checksum with every object and verify every load against it (the
-        `checksum` option; a backend whose options lack it never does)."""
-        return bool(getattr(self.options, "checksum", False))
 
     def _put(self, key: bytes, data: memoryview) -> bool:
         if data.nbytes <= SMALL_COPY:

@@ -21,6 +21,7 @@ alive, what is its parent's.
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import secrets
 import struct
@@ -42,11 +43,17 @@ _LOST = (
 )
 
 
+@functools.cache
+def _flock(kind: int, offset: int) -> bytes:
+    """The struct flock of one byte (cached: packing it costs as much as the lock)."""
+    return struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0)
+
+
 def _fcntl_lock(fd: int, command: int, kind: int, offset: int) -> bytes:
     """One OFD lock call on the byte at `offset`; returns the kernel's struct flock."""
     if fd < 0:
         raise BackendError(_LOST)
-    return fcntl.fcntl(fd, command, struct.pack(_FLOCK, kind, os.SEEK_SET, offset, 1, 0))
+    return fcntl.fcntl(fd, command, _flock(kind, offset))
 
 
 def _lock(fd: int, offset: int) -> None:
