@@ -38,8 +38,6 @@ POPULATE_CHUNK = 64 * 2**20
 SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 MOUNTINFO = Path("/proc/self/mountinfo")
 SMAPS = Path("/proc/self/smaps")
-HUGE_MODES = ("always", "within_size", "advise")
-"""tmpfs `huge=` values under which a pool can get transparent huge pages."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -112,12 +110,8 @@ class HugePages:
     """Whether the region's file can get transparent huge pages, and why."""
 
     mode: str
-    """The effective policy: always, within_size, advise or never."""
+    """The effective policy: always, within_size, advise, never, or device (DAX)."""
     reason: str
-
-    @property
-    def offered(self) -> bool:
-        return self.mode in HUGE_MODES
 
 
 def selected(sysfs_text: str) -> str:
