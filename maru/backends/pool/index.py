@@ -9,13 +9,16 @@ positive in `contains` (about one in 2**41 per key) becomes a miss at load time.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 
 import numpy as np
 
 from maru.backends.pool.region import COMMITTED, FREE, NONE, Tables
 
-_BLAKE2B_64 = hashlib.blake2b(digest_size=8)
+_BLAKE2B = hashlib.blake2b
+_BLAKE2B_64 = _BLAKE2B(digest_size=8)
 """Copied for every key: a copy costs less than a constructor's keyword parsing,
 which is most of the time hashing a short key takes (`contains` hashes many)."""
 
@@ -32,8 +35,11 @@ def key_hash(key: bytes) -> int:
 
 
 def key_hashes(keys: list[bytes]) -> np.ndarray:
-    """`key_hash` of many keys, as a uint64 array."""
-    return np.frombuffer(b"".join(map(_digest, keys)), np.dtype("<u8"))
+    """`key_hash` of many keys, as a uint64 array. The hashers' methods are mapped
+    over the keys directly (no Python call per key: a sixth of the time)."""
+    hashers = list(map(_BLAKE2B.copy, itertools.repeat(_BLAKE2B_64, len(keys))))
+    collections.deque(map(_BLAKE2B.update, hashers, keys), maxlen=0)  # consume in C
+    return np.frombuffer(b"".join(map(_BLAKE2B.digest, hashers)), np.dtype("<u8"))
 
 
 class Index:
