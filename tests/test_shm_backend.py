@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 import pytest
 
@@ -11,7 +12,7 @@ import maru
 from maru.backends.pool import region as pool_format
 from maru.backends.pool.attach import memory_of
 from maru.backends.shm import shm_path
-from maru.testing import BackendContract, EvictionContract
+from maru.testing import BackendContract, EvictionContract, payload
 
 MIB = 2**20
 
@@ -116,3 +117,40 @@ def test_the_pool_survives_every_store_closing(pool_names) -> None:
         assert third.get(b"k") == b"v"
         third.destroy()
     assert not shm_path(name).exists()
+
+
+def reserve_at_once(store: maru.Backend, threads: int) -> list[bool]:
+    """Threads make their process's first reservations at once; while they hold them,
+    the pool is filled twice over. Whether each reservation could still be committed."""
+    start, reserved = threading.Barrier(threads), threading.Barrier(threads + 1)
+    filled = threading.Event()
+    committed: list[bool] = []
+
+    def write(i: int) -> None:
+        start.wait()
+        try:
+            with store.reserve(f"t{i}", 100_000) as buffer:
+                buffer[:] = payload(f"t{i}", 100_000)
+                reserved.wait()
+                filled.wait()
+            committed.append(True)
+        except maru.BackendError:
+            committed.append(False)
+
+    workers = [threading.Thread(target=write, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    reserved.wait()
+    for i in range(16):
+        store.put(f"filler{i}", bytes(MIB))
+    filled.set()
+    for worker in workers:
+        worker.join()
+    return committed
+
+
+def test_threads_writing_first_at_once_all_keep_their_reservations(pool_names) -> None:
+    for _ in range(5):
+        with open_shm(pool_names()) as store:
+            assert reserve_at_once(store, 8) == [True] * 8
+            assert store.stats().reclaimed == 0

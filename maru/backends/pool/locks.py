@@ -175,19 +175,26 @@ class WriterSlots:
         self._label = label
         self._slot: int | None = None
         self._token = 0
+        self._taking = threading.Lock()
 
     def writer(self) -> int:
-        """This process's writer id; takes a free slot on first use."""
+        """This process's writer id; takes a free slot on first use (one thread takes
+        it: the threads of a process share the descriptor, so each would get the
+        same slot, and all but the last token written would look dead)."""
         if self._slot is None:
-            for slot in range(WRITER_SLOTS):
-                if _try_lock(self._fd, SLOT_LOCK_BASE + slot):
-                    self._token = secrets.randbits(62) + 1
-                    self._tables.set(SLOT_TOKENS + slot, self._token)
-                    self._slot = slot
-                    break
-            else:
-                raise BackendError(f"{self._label}: all {WRITER_SLOTS} writer slots are in use")
+            with self._taking:
+                if self._slot is None:
+                    self._take_slot()
         return self._slot << 48 | self._token & TOKEN_MASK
+
+    def _take_slot(self) -> None:
+        for slot in range(WRITER_SLOTS):
+            if _try_lock(self._fd, SLOT_LOCK_BASE + slot):
+                self._token = secrets.randbits(62) + 1
+                self._tables.set(SLOT_TOKENS + slot, self._token)
+                self._slot = slot
+                return
+        raise BackendError(f"{self._label}: all {WRITER_SLOTS} writer slots are in use")
 
     def owns(self, writer: int) -> bool:
         """Is `writer` this process's writer id (so its reservations are ours)?"""
@@ -198,6 +205,7 @@ class WriterSlots:
         own descriptor) when it first writes."""
         self._fd = fd
         self._slot, self._token = None, 0
+        self._taking = threading.Lock()
 
     def release(self) -> None:
         """Give up this process's slot (the pool is being closed)."""
