@@ -55,8 +55,8 @@ class ShmOptions(Options):
     mode: FileMode = Field(0o600, description="permissions, e.g. '0660' for a serving group")
     checksum: bool = Field(
         False,
-        description="write a CRC-32 with every object and verify every load (a corrupt "
-        "object is a miss); makes a load 2-12 times slower",
+        description="write an XXH3-64 checksum with every object and verify every load (a corrupt "
+        "object is a miss); makes a load 16-71% slower",
     )
     prefault: bool = Field(
         False, description="wait at open until every page is mapped (else in the background)"

@@ -17,8 +17,9 @@ import numpy as np
 from maru.errors import BackendError, ConfigError
 
 MAGIC = b"MARUPOOL"
-FORMAT_VERSION = 3
-"""3: a checksum field per entry; 2: 64-bit BLAKE2b key hashes (1: CRC-32 and length)."""
+FORMAT_VERSION = 4
+"""4: XXH3-64 key hashes and checksums; 3: a checksum field per entry; 2: 64-bit BLAKE2b
+key hashes (1: CRC-32 and length)."""
 ALIGN = 64
 PAGE = 4096
 BYTES_PER_ENTRY = 64 * 1024
