@@ -156,6 +156,7 @@ def sparse_pool(name: str, capacity: str, monkeypatch) -> Path:
     """A pool made as maru made them before reserving: its file has holes."""
     with monkeypatch.context() as patch:
         patch.setattr(memory, "reserve", lambda *args: None)
+        patch.setattr(memory, "_populate_new", lambda *args: None)
         patch.setattr(memory.Populator, "start", lambda self: None)
         with maru.open_store(shm_config(name, capacity)):
             pass
@@ -189,15 +190,24 @@ def test_no_room_names_a_memory_limit_when_memory_runs_out(tmp_path) -> None:
 # --- populating ----------------------------------------------------------------------
 
 
-def test_a_new_mapping_is_populated_in_the_background(shm_dir) -> None:
+def test_a_new_pool_is_populated_before_open_returns(shm_dir) -> None:
+    with maru.open_store(shm_config("new", "32MiB")) as store:
+        populator = memory_of(store.pool).populator
+        assert (populator.state, populator.done) == ("yes", len(store.pool.region))
+
+
+def test_attaching_an_existing_pool_populates_in_the_background(shm_dir) -> None:
+    maru.open_store(shm_config("p", "32MiB")).close()
     with maru.open_store(shm_config("p", "32MiB")) as store:
         populator = memory_of(store.pool).populator
+        assert populator.state in ("in progress", "yes"), "started, not waited for"
         assert populator.wait() == "yes"
         assert populator.done == populator.total == len(store.pool.region)
         assert memory_of(store.pool).report()["populated"] == "yes"
 
 
-def test_closing_stops_a_populate_in_progress(pool_names) -> None:
+def test_closing_stops_a_populate_in_progress(pool_names, monkeypatch) -> None:
+    monkeypatch.setattr(memory, "_populate_new", lambda *args: None)
     store = maru.open_store(shm_config(pool_names(), "1GiB"))
     populator = memory_of(store.pool).populator
     store.destroy()

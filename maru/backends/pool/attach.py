@@ -2,8 +2,8 @@
 
 A process maps each pool once (keyed by the file's device and inode); every
 store that opens it is one more user, and the last one to close unmaps it. A new
-region's memory is reserved before it is used, and every mapping is populated in
-the background (see `memory`).
+region's memory is reserved and populated before it is used, and every other
+mapping is populated in the background (see `memory`).
 """
 
 from __future__ import annotations
