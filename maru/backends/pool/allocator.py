@@ -181,7 +181,7 @@ class Allocator:
 
     def live_entries(self) -> np.ndarray:
         """Entries in use, in address order; frees those out of bounds or overlapping."""
-        t = self._t
+        t = self._t.arrays
         live = np.flatnonzero(t.state != FREE)
         bad = live[(t.offset[live] < 0) | (t.offset[live] + t.span[live] > self._capacity)]
         live = live[np.argsort(t.offset[live], kind="stable")]
@@ -194,18 +194,18 @@ class Allocator:
     def rebuild(self, live: np.ndarray) -> None:
         """Address list, free list, counters and hand from `live_entries()` (after the
         index is rebuilt: the free list reuses `chain`)."""
-        t = self._t
-        t.prev[:] = NONE
-        t.next[:] = NONE
+        t, a = self._t, self._t.arrays
+        a.prev[:] = NONE
+        a.next[:] = NONE
         if len(live):
-            t.prev[live[1:]] = live[:-1]
-            t.next[live[:-1]] = live[1:]
+            a.prev[live[1:]] = live[:-1]
+            a.next[live[:-1]] = live[1:]
         t.set(ADDR_HEAD, int(live[0]) if len(live) else NO_LINK)
         t.set(ADDR_TAIL, int(live[-1]) if len(live) else NO_LINK)
-        free = np.flatnonzero(t.state == FREE)
-        t.chain[free[:-1]] = free[1:]
+        free = np.flatnonzero(a.state == FREE)
+        a.chain[free[:-1]] = free[1:]
         t.set(FREE_HEAD, int(free[0]) if len(free) else NO_LINK)
-        t.set(USED, int(t.span[live].sum()))
-        t.set(OBJECTS, int((t.state[live] == COMMITTED).sum()))
-        after = live[t.offset[live] >= t.get(CURSOR)]
+        t.set(USED, int(a.span[live].sum()))
+        t.set(OBJECTS, int((a.state[live] == COMMITTED).sum()))
+        after = live[a.offset[live] >= t.get(CURSOR)]
         t.set_link(CURSOR_NEXT, int(after[0]) if len(after) else NONE)

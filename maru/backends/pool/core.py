@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 
@@ -67,6 +67,36 @@ Handle = tuple[int, int]
 """A reservation: (entry, generation)."""
 
 
+class Section:
+    """The pool mutex held around a critical section (a class, not a generator: it is
+    taken twice per put or get). A changing section marks the pool dirty until it
+    completes; any section first repairs what an earlier one left half done."""
+
+    __slots__ = ("_changing", "_pool")
+
+    def __init__(self, pool: Pool, changing: bool) -> None:
+        self._pool, self._changing = pool, changing
+
+    def __enter__(self) -> None:
+        pool = self._pool
+        pool._mutex.__enter__()
+        try:
+            pool._recover()
+            if self._changing:
+                pool.tables.set(DIRTY, 1)
+        except BaseException:
+            pool._mutex.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        pool = self._pool
+        try:
+            if self._changing and kind is None:
+                pool.tables.set(DIRTY, 0)
+        finally:
+            pool._mutex.__exit__(None, None, None)
+
+
 class Pool:
     """One mapped pool, shared by every store of this process that opened it."""
 
@@ -82,6 +112,7 @@ class Pool:
         self.writers = WriterSlots(self._lock_fd, self.tables, label)
         self.allocator = Allocator(self.tables, self.index, geometry, self.writers.alive)
         self._mutex = Mutex(self._lock_fd)
+        self._reading, self._changing = Section(self, changing=False), Section(self, True)
         reset_after_fork(self)
 
     def after_fork(self) -> None:
@@ -104,23 +135,15 @@ class Pool:
 
     # --- locking and recovery --------------------------------------------------
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self) -> Section:
         """Hold the pool lock to read (counters and use bits may change, nothing else);
         recover first if an earlier change was left half done."""
-        with self._mutex:
-            self._recover()
-            yield
+        return self._reading
 
-    @contextlib.contextmanager
-    def changing(self) -> Iterator[None]:
+    def changing(self) -> Section:
         """Hold the pool lock to change it. The pool stays marked dirty unless the change
         completes: a holder that dies or raises midway leaves the rebuild to the next."""
-        with self._mutex:
-            self._recover()
-            self.tables.set(DIRTY, 1)
-            yield
-            self.tables.set(DIRTY, 0)
+        return self._changing
 
     def _recover(self) -> None:
         """Rebuild if the last change was left half done (caller holds the mutex)."""
@@ -294,7 +317,7 @@ class Pool:
     def clear(self) -> int:
         """Remove every committed object; how many were removed."""
         with self.changing():
-            committed = np.flatnonzero(self.tables.state == COMMITTED).tolist()
+            committed = np.flatnonzero(self.tables.arrays.state == COMMITTED).tolist()
             for entry in committed:
                 self.allocator.free(entry)
             return len(committed)
@@ -315,18 +338,18 @@ class Pool:
 
     def audit(self) -> list[str]:
         """Problems found by recomputing the derived state from the entry table."""
-        t = self.tables
+        t, a = self.tables, self.tables.arrays
         with self.locked():
-            live = np.flatnonzero(t.state != FREE)
-            ordered = live[np.argsort(t.offset[live])]
-            ends = (t.offset[ordered] + t.span[ordered])[:-1]
+            live = np.flatnonzero(a.state != FREE)
+            ordered = live[np.argsort(a.offset[live])]
+            ends = (a.offset[ordered] + a.span[ordered])[:-1]
             problems = []
-            if (t.offset[ordered[1:]] < ends).any():
+            if (a.offset[ordered[1:]] < ends).any():
                 problems.append("objects overlap")
-            held = int(t.span[live].sum())
+            held = int(a.span[live].sum())
             if t.get(USED) != held:
                 problems.append(f"used is {t.get(USED)}, entries hold {held}")
-            committed = int((t.state == COMMITTED).sum())
+            committed = int((a.state == COMMITTED).sum())
             if t.get(OBJECTS) != committed:
                 problems.append(f"objects is {t.get(OBJECTS)}, {committed} are committed")
             if t.get(USED) > self.geometry.capacity:

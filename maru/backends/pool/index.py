@@ -71,7 +71,7 @@ class Index:
         """For each hash, whether a committed entry has it; marks those entries used.
 
         Walks all the chains at once, one step per round, over the keys still unresolved."""
-        t = self._t
+        t = self._t.arrays
         heads = t.buckets[(hashes & np.uint64(self._mask)).view(np.int64)]
         found = np.zeros(len(hashes), dtype=bool)
         pending = np.flatnonzero(heads != NONE)
@@ -88,7 +88,7 @@ class Index:
     def rebuild(self, live: np.ndarray) -> None:
         """Chain every live entry anew (the chain links of free entries are cleared):
         sorted by bucket, each entry links to the next of its bucket, in one pass."""
-        t = self._t
+        t = self._t.arrays
         t.buckets[:] = NONE
         t.chain[:] = NONE
         buckets = (t.hash[live] & np.uint64(self._mask)).view(np.int64)

@@ -129,20 +129,25 @@ def lock_descriptor_in_child(inherited: int) -> int:
 class Mutex:
     """Thread lock plus an OFD byte lock: excludes threads and processes."""
 
+    _TAKE = _flock(fcntl.F_WRLCK, MUTEX_BYTE)
+    _GIVE = _flock(fcntl.F_UNLCK, MUTEX_BYTE)
+
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._thread_lock = threading.Lock()
 
     def __enter__(self) -> None:
+        if self._fd < 0:
+            raise BackendError(_LOST)
         self._thread_lock.acquire()
         try:
-            _lock(self._fd, MUTEX_BYTE)
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, self._TAKE)
         except BaseException:
             self._thread_lock.release()
             raise
 
     def __exit__(self, *exc_info: object) -> None:
-        _unlock(self._fd, MUTEX_BYTE)
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, self._GIVE)
         self._thread_lock.release()
 
     def after_fork(self, fd: int) -> None:

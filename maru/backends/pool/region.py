@@ -143,12 +143,9 @@ def check_header(region: mmap.mmap, expected: Geometry, label: str) -> None:
         )
 
 
-class Tables:
-    """Numpy views of one mapped region: header words, entry fields, buckets, data.
-
-    Every other part of the pool reads and writes the region through these views,
-    so the format is spelled out in this module only.
-    """
+class Arrays:
+    """Numpy views of the entry fields and the buckets, for work on whole tables
+    (recovery, batch lookups, audits)."""
 
     state: np.ndarray
     hash: np.ndarray
@@ -163,22 +160,52 @@ class Tables:
     next: np.ndarray
     chain: np.ndarray
     hot: np.ndarray
+    buckets: np.ndarray
+
+
+class Tables:
+    """Views of one mapped region: header words, entry fields, buckets, data.
+
+    Every other part of the pool reads and writes the region through these views,
+    so the format is spelled out in this module only. Entry fields and buckets are
+    memoryviews here, for one item at a time (a fifth of the cost of a numpy scalar,
+    and the allocator touches dozens per call), and numpy arrays in `arrays`.
+    """
+
+    state: memoryview
+    hash: memoryview
+    offset: memoryview
+    span: memoryview
+    length: memoryview
+    key_len: memoryview
+    gen: memoryview
+    writer: memoryview
+    check: memoryview
+    prev: memoryview
+    next: memoryview
+    chain: memoryview
+    hot: memoryview
+    buckets: memoryview
 
     def __init__(self, region: mmap.mmap, geometry: Geometry) -> None:
         g = geometry
         self.header = np.frombuffer(region, np.uint64, HEADER_BYTES // 8, 0)
         self.words = memoryview(region)[:HEADER_BYTES].cast("Q")
-        """The header again, for single words: a memoryview item costs a fifth of a numpy
-        scalar, and the lock, allocator and counters read and write a dozen per call."""
+        """The header again, for single words."""
+        self.links = memoryview(region)[:HEADER_BYTES].cast("q")
+        """The header as signed words: NO_LINK (all ones) reads as NONE (-1)."""
+        self.arrays = Arrays()
+        fields = [*ENTRY_FIELDS, *((name, np.int32) for name in LINK_FIELDS)]
         offset = g.index_offset
-        for name, dtype in ENTRY_FIELDS:
-            setattr(self, name, np.frombuffer(region, dtype, g.entries, offset))
-            offset += 8 * g.entries
-        for name in LINK_FIELDS:
-            setattr(self, name, np.frombuffer(region, np.int32, g.entries, offset))
-            offset += 4 * g.entries
-        self.buckets = np.frombuffer(region, np.int32, g.buckets, g.bucket_offset)
+        for name, dtype in fields:
+            self._view(name, np.frombuffer(region, dtype, g.entries, offset))
+            offset += np.dtype(dtype).itemsize * g.entries
+        self._view("buckets", np.frombuffer(region, np.int32, g.buckets, g.bucket_offset))
         self.data_view = memoryview(region)[g.data_offset : g.data_offset + g.capacity]
+
+    def _view(self, name: str, array: np.ndarray) -> None:
+        setattr(self.arrays, name, array)
+        setattr(self, name, memoryview(array))
 
     def get(self, word: int) -> int:
         """A header word."""
@@ -193,13 +220,12 @@ class Tables:
         self.words[word] += delta
 
     def link(self, word: int) -> int:
-        """A header word that names an entry, or NONE."""
-        value = self.get(word)
-        return NONE if value == NO_LINK else value
+        """A header word that names an entry, or NONE (NO_LINK read as signed)."""
+        return self.links[word]
 
     def set_link(self, word: int, entry: int) -> None:
         """Make a header word name `entry` (or nothing, for NONE)."""
-        self.set(word, NO_LINK if entry == NONE else entry)
+        self.links[word] = entry
 
     def key_at(self, entry: int) -> bytes:
         """The key stored at the start of an entry's span."""
@@ -230,5 +256,8 @@ class Tables:
         """Drop every view, so the mapping can be closed."""
         self.data_view.release()
         self.words.release()
-        for name in ("header", "buckets", *(n for n, _ in ENTRY_FIELDS), *LINK_FIELDS):
+        self.links.release()
+        for name in ("buckets", *(n for n, _ in ENTRY_FIELDS), *LINK_FIELDS):
+            getattr(self, name).release()
             delattr(self, name)
+        del self.header, self.arrays
