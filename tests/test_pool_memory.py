@@ -145,8 +145,9 @@ def test_the_cxl_emulated_device_is_reserved_too(tmpfs) -> None:
     config = maru.load_config(
         backend="cxl", capacity="32MiB", cxl={"mode": "emulated", "device": device}
     )
-    with maru.open_store(config):
+    with maru.open_store(config) as store:
         assert os.stat(device).st_blocks * 512 == os.stat(device).st_size
+        assert memory_of(store.pool).populator.state == "yes", "populated before first use"
 
 
 # --- attaching an existing region ----------------------------------------------------

@@ -144,7 +144,7 @@ def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> tuple[Pool, Memory]:
             check_header(region, geometry, spec.label)
         if spec.before_init:
             spec.before_init(region)
-        memory = _prepare(fd, region, spec, new=size == 0)
+        memory = _prepare(fd, region, spec, new=size == 0, fresh=fresh)
         pool = Pool(fd, region, geometry, spec.label)
         if fresh:
             if device:
@@ -155,12 +155,14 @@ def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> tuple[Pool, Memory]:
         unlock_region(fd)
 
 
-def _prepare(fd: int, region: mmap.mmap, spec: RegionSpec, *, new: bool) -> Memory:
+def _prepare(
+    fd: int, region: mmap.mmap, spec: RegionSpec, *, new: bool, fresh: bool
+) -> Memory:
     """`memory.prepare`; a new file that does not fit is removed, leaving nothing behind."""
     try:
         if new and os.fstat(fd).st_nlink == 0:
             raise BackendError(f"{spec.label} was removed while it was being created")
-        return prepare(fd, region, spec.capacity, spec.label, new=new)
+        return prepare(fd, region, spec.capacity, spec.label, new=new, fresh=fresh)
     except BaseException:
         region.close()
         if new:

@@ -317,9 +317,12 @@ class Memory:
         }
 
 
-def prepare(fd: int, region: mmap.mmap, capacity: int, label: str, *, new: bool) -> Memory:
+def prepare(
+    fd: int, region: mmap.mmap, capacity: int, label: str, *, new: bool, fresh: bool
+) -> Memory:
     """Reserve a new region's backing (or complete an existing one's), with huge pages
-    where they are offered; the Memory whose populator the caller starts.
+    where they are offered, and populate a `fresh` one (a pool about to be initialized);
+    the Memory whose populator the caller starts for the others.
 
     On a tmpfs mounted with huge=advise, allocating the file would take small pages,
     so the region is populated first, through a mapping that asked for huge pages.
@@ -329,13 +332,14 @@ def prepare(fd: int, region: mmap.mmap, capacity: int, label: str, *, new: bool)
     populator = Populator(region, label)
     if not new:
         ensure_backed(fd, len(region), capacity, label)
-        return Memory(huge, populator)
-    if huge.mode == "advise":
-        populator.run()
-        if populator.state == "failed":
-            raise no_room(fd, len(region), capacity, label, errno.ENOSPC)
-    reserve(fd, len(region), capacity, label)
-    _populate_new(populator, label)
+    else:
+        if huge.mode == "advise":
+            populator.run()
+            if populator.state == "failed":
+                raise no_room(fd, len(region), capacity, label, errno.ENOSPC)
+        reserve(fd, len(region), capacity, label)
+    if fresh:
+        _populate_new(populator, label)
     return Memory(huge, populator)
 
 
