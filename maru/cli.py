@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import maru
 from maru.config import ResolvedConfig, leaves, resolve_config, shown_value
 from maru.errors import BackendError, ConfigError, MaruError, PluginError
 
@@ -110,10 +111,18 @@ def cmd_config_check(args: argparse.Namespace) -> Result:
 
 def cmd_demo(args: argparse.Namespace) -> Result:
     """Two vLLM engines in two processes share a long prompt's KV through maru."""
-    from maru.demo import format_report, run_demo
+    from maru.demo import format_report, private_pool, run_demo
 
-    report = run_demo(resolve_config(args.config).config, prompt_tokens=args.prompt_tokens,
-                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+    resolved = resolve_config(args.config)
+    configured = bool(resolved.sources)
+    config = resolved.config if configured else private_pool(resolved.config)
+    try:
+        report = run_demo(config, prompt_tokens=args.prompt_tokens,
+                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+    finally:
+        if not configured:
+            with maru.open_store(config) as store:
+                store.destroy()
     return Result(report, format_report(report), EXIT_OK if report["identical"] else EXIT_FAILURE)
 
 

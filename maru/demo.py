@@ -33,6 +33,19 @@ def model_cache() -> Path:
     return Path(root) / "maru" / "models"
 
 
+DEMO_POOL_CAPACITY = 256 * 2**20
+"""The demo's own pool when nothing is configured: its KV is a few MiB."""
+
+
+def private_pool(config: maru.MaruConfig) -> maru.MaruConfig:
+    """The default configuration with a shm pool of the demo's own, small: the demo
+    then leaves no pool behind (a default pool keeps 4 GiB of memory until destroyed)."""
+    shm = config.backend_options("shm").model_copy(update={"name": f"demo-{os.getpid()}"})
+    return maru.MaruConfig.model_validate(
+        {**config.model_dump(), "capacity": DEMO_POOL_CAPACITY, "shm": shm.model_dump()}
+    )
+
+
 def connector_config(config: maru.MaruConfig) -> dict[str, Any]:
     """vLLM's --kv-transfer-config for MaruKVConnector with this maru config."""
     return {"kv_connector": "MaruKVConnector", "kv_connector_module_path": "maru.connector",

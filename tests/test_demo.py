@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import maru.demo
-from maru.backends.shm import shm_path
+from maru.backends.shm import SHM_DIR, shm_path
 from maru.cli import main
 from maru.connector import HEADER_BYTES, HEADER_MAGIC
 from tests.conftest import unique_name
@@ -36,15 +36,17 @@ def fresh_home(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_demo_runs_from_a_fresh_home(demo_pool, fresh_home, capsys) -> None:
-    config, _ = demo_pool
-    code = main(["demo", "--config", config, "--prompt-tokens", "600"])
+def test_the_demo_runs_from_a_fresh_home_and_leaves_no_pool(fresh_home, capsys) -> None:
+    pools_before = set(SHM_DIR.glob("maru-*"))
+    code = main(["demo", "--prompt-tokens", "600"])
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert "prompt: 513 tokens" in out, "rounded down to whole chunks plus one token"
     assert "tokens engine B loaded from maru: 512" in out
     assert "(512 tokens cached)" in out, "A's own hit has the same length as B's"
     assert "outputs identical (engine B's maru hit vs engine A's own cache hit): True" in out
+    assert f"capacity={256 * 2**20}," in out, "the demo's own small pool"
+    assert set(SHM_DIR.glob("maru-*")) == pools_before, "nothing left in shared memory"
     assert (fresh_home / ".cache/maru/demo-engines.log").stat().st_size > 0
     assert (fresh_home / ".cache/maru/models/demo-llama/config.json").is_file()
 
