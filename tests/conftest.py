@@ -120,6 +120,17 @@ def call_with_deadline(function, seconds: float = 20):
 
 
 @pytest.fixture
+def pool_config(tmp_path):
+    """A config file naming a private 64 MiB shm pool, and the pool's name; the pool is
+    removed at teardown."""
+    name = unique_name("cli")
+    path = tmp_path / "maru.yaml"
+    path.write_text(f"backend: shm\ncapacity: 64MiB\nshm:\n  name: {name}\n")
+    yield str(path), name
+    shm_path(name).unlink(missing_ok=True)
+
+
+@pytest.fixture
 def pool_names():
     """Fresh pool names; their shared memory objects are removed at teardown."""
     names: list[str] = []

@@ -12,17 +12,6 @@ import maru.demo
 from maru.backends.shm import SHM_DIR, shm_path
 from maru.cli import main
 from maru.connector import HEADER_BYTES, HEADER_MAGIC
-from tests.conftest import unique_name
-
-
-@pytest.fixture
-def demo_pool(tmp_path):
-    """A config file naming a private shm pool, removed afterwards."""
-    name = unique_name("demo")
-    path = tmp_path / "maru.yaml"
-    path.write_text(f"backend: shm\ncapacity: 64MiB\nshm:\n  name: {name}\n")
-    yield str(path), name
-    shm_path(name).unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -64,9 +53,9 @@ def corrupt_one_chunk(pool: str) -> None:
 
 @pytest.mark.slow
 def test_the_demo_says_false_and_fails_when_a_stored_chunk_is_corrupted(
-    demo_pool, tiny_model, monkeypatch, capsys
+    pool_config, tiny_model, monkeypatch, capsys
 ) -> None:
-    config, pool = demo_pool
+    config, pool = pool_config
     corrupting = functools.partial(maru.demo.run_demo, model=tiny_model, vocab=512,
                                    after_engine_a=lambda: corrupt_one_chunk(pool))
     monkeypatch.setattr(maru.demo, "run_demo", corrupting)
@@ -77,8 +66,8 @@ def test_the_demo_says_false_and_fails_when_a_stored_chunk_is_corrupted(
     assert code == 1
 
 
-def test_a_prompt_shorter_than_a_chunk_is_a_usage_error(demo_pool, capsys) -> None:
-    config, _ = demo_pool
+def test_a_prompt_shorter_than_a_chunk_is_a_usage_error(pool_config, capsys) -> None:
+    config, _ = pool_config
     assert main(["demo", "--config", config, "--prompt-tokens", "100"]) == 2
     assert "prompt_tokens = 100: too short to share a chunk; allowed: at least chunk_tokens " \
            "+ 1 = 257" in capsys.readouterr().err

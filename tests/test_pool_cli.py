@@ -12,16 +12,6 @@ import maru
 from maru.backends.shm import shm_path
 from maru.bench import format_report, run_bench
 from maru.cli import main
-from tests.conftest import unique_name
-
-
-@pytest.fixture
-def pool_config(tmp_path):
-    name = unique_name("cli")
-    path = tmp_path / "maru.yaml"
-    path.write_text(f"backend: shm\ncapacity: 64MiB\nshm:\n  name: {name}\n")
-    yield str(path), name
-    shm_path(name).unlink(missing_ok=True)
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

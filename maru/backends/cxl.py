@@ -24,10 +24,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from maru.backends.pool import Geometry, PoolBackend, RegionSpec
+from maru.backends.pool import Geometry, PoolBackend, PoolOptions, RegionSpec
 from maru.backends.pool.memory import reserve
 from maru.backends.shm import FileMode, PoolName, shm_path
-from maru.config import Options, Size
+from maru.config import Size
 from maru.errors import BackendError, ConfigError
 from maru.hookspecs import hookimpl
 
@@ -42,7 +42,7 @@ _SYSCALLS = {
 }
 
 
-class CxlOptions(Options):
+class CxlOptions(PoolOptions):
     """The `cxl:` config section."""
 
     mode: Literal["devdax", "numa", "emulated"] = Field(
@@ -53,14 +53,6 @@ class CxlOptions(Options):
     name: PoolName = Field("cxl", description="numa: shared memory pool name")
     file_mode: FileMode = Field(0o600, description="permissions of files maru creates")
     align: Size = Field(2 * 2**20, description="emulated: alignment a real device would have")
-    checksum: bool = Field(
-        False,
-        description="write an XXH3-64 checksum with every object and verify every load (a corrupt "
-        "object is a miss); makes a load 16-71% slower",
-    )
-    prefault: bool = Field(
-        False, description="wait at open until every page is mapped (else in the background)"
-    )
     sysfs_root: Path = Field(Path("/sys"), description="where sysfs is (tests use a fake)")
 
     @model_validator(mode="after")

@@ -13,8 +13,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 
-from maru.backends.pool import PoolBackend, RegionSpec
-from maru.config import Options
+from maru.backends.pool import PoolBackend, PoolOptions, RegionSpec
 from maru.errors import BackendError
 from maru.hookspecs import hookimpl
 
@@ -48,19 +47,11 @@ PoolName = Annotated[str, BeforeValidator(_pool_name)]
 FileMode = Annotated[int, BeforeValidator(_file_mode)]
 
 
-class ShmOptions(Options):
+class ShmOptions(PoolOptions):
     """The `shm:` config section."""
 
     name: PoolName = Field("default", description="pool name; processes with one name share it")
     mode: FileMode = Field(0o600, description="permissions, e.g. '0660' for a serving group")
-    checksum: bool = Field(
-        False,
-        description="write an XXH3-64 checksum with every object and verify every load (a corrupt "
-        "object is a miss); makes a load 16-71% slower",
-    )
-    prefault: bool = Field(
-        False, description="wait at open until every page is mapped (else in the background)"
-    )
 
 
 def shm_path(name: str) -> Path:

@@ -18,9 +18,17 @@ Code outside `maru/backends/` uses only what this module exports.
 """
 
 from maru.backends.pool.attach import RegionSpec, memory_of
-from maru.backends.pool.backend import PoolBackend
+from maru.backends.pool.backend import PoolBackend, PoolOptions
 from maru.backends.pool.core import Pool
 from maru.backends.pool.memory import format_size
 from maru.backends.pool.region import Geometry
 
-__all__ = ["Geometry", "Pool", "PoolBackend", "RegionSpec", "format_size", "memory_of"]
+__all__ = [
+    "Geometry",
+    "Pool",
+    "PoolBackend",
+    "PoolOptions",
+    "RegionSpec",
+    "format_size",
+    "memory_of",
+]

@@ -6,9 +6,25 @@ from abc import abstractmethod
 from dataclasses import replace
 from typing import Any
 
+from pydantic import Field
+
 from maru.backends.base import Backend, StoreStats
 from maru.backends.pool.attach import RegionSpec, attach, detach
 from maru.backends.pool.core import SMALL_COPY, Handle
+from maru.config import Options
+
+
+class PoolOptions(Options):
+    """What every pool backend's section has (shm and cxl add where the pool lives)."""
+
+    checksum: bool = Field(
+        False,
+        description="write an XXH3-64 checksum with every object and verify every load (a corrupt "
+        "object is a miss); makes a load 16-71% slower",
+    )
+    prefault: bool = Field(
+        False, description="wait at open until every page is mapped (else in the background)"
+    )
 
 
 class PoolBackend(Backend):
@@ -16,9 +32,8 @@ class PoolBackend(Backend):
 
     def __init__(self, config: Any, *, create: bool = True) -> None:
         super().__init__(config)
-        # Write a checksum with every object and verify every load against it (the
-        # `checksum` option; a backend whose options lack it never does).
-        self.checksum = bool(getattr(self.options, "checksum", False))
+        self.checksum = self.options.checksum
+        """Write a checksum with every object and verify every load against it."""
         spec = self.region_spec()
         self.pool = attach(spec if create else replace(spec, create=False, populate=False))
 
