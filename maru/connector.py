@@ -244,6 +244,7 @@ class MaruScheduler:
         self._layout = "unknown"
         self._prefix: bytes | None = None
         warn_if_hash_seed_is_per_process(vllm_config)
+        self.store.available()  # at start-up: a new pool is set up here, not in a request
 
     def set_layout(self, fingerprints: set[str]) -> None:
         """Take the workers' layout fingerprint into the namespace."""
@@ -450,6 +451,7 @@ class MaruWorker:
             log.error("maru: %s", exc)
             return
         self._staging = torch.empty(self.object_bytes(self.blocks_per_chunk), dtype=torch.int8)
+        self.store.available()  # at start-up: a new pool is set up here, not in a request
         log.info("maru: KV layout %s (fingerprint %s), %d layers, %d bytes per block",
                  self.adapter.name, self.adapter.fingerprint, len(self.adapter.layers),
                  self.adapter.block_bytes)
