@@ -72,7 +72,7 @@ def run_demo(config: maru.MaruConfig, *, model: Path | None = None, prompt_token
     """Engine A (cold, then its own cache) and engine B (maru) on one random prompt.
 
     `after_engine_a` runs between the two engines (tests corrupt the store there)."""
-    from maru.engine import build_tiny_llama, run_engine
+    from maru.engine import build_tiny_llama, start_engine
 
     length = demo_prompt_tokens(prompt_tokens, config.chunk_tokens)
     if model is None:
@@ -80,16 +80,24 @@ def run_demo(config: maru.MaruConfig, *, model: Path | None = None, prompt_token
         progress(f"demo model: {model} (random weights, built on first use) ...")
         build_tiny_llama(model, **DEMO_MODEL)
     prompt = np.random.default_rng().integers(1, vocab, length).tolist()
-    transfer = connector_config(config)
-    log = model_cache().parent / "demo-engines.log"
-    progress(f"engine A (its own process): prefilling the prompt, storing its KV in maru, "
-             f"then the prompt again from vLLM's own cache (engine logs: {log}) ...")
-    engine_a = run_engine(model, [prompt, prompt], kv_transfer_config=transfer, max_tokens=16,
-                          log_path=log)
-    after_engine_a()
-    progress("engine B (another process): same prompt, loading its KV from maru ...")
-    engine_b = run_engine(model, [prompt], kv_transfer_config=transfer, max_tokens=16,
-                          log_path=log)
+    options = {"kv_transfer_config": connector_config(config), "max_tokens": 16, "held": True,
+               "log_path": model_cache().parent / "demo-engines.log"}
+    progress(f"starting engines A and B, two processes, side by side (engine logs: "
+             f"{options['log_path']}) ...")
+    engines = start_engine(model, [prompt, prompt], **options), start_engine(model, [prompt],
+                                                                            **options)
+    try:
+        for engine in engines:
+            engine.wait_built()
+        progress("engine A: prefilling the prompt, storing its KV in maru, then the prompt "
+                 "again from vLLM's own cache ...")
+        engine_a = engines[0].result()
+        after_engine_a()
+        progress("engine B: same prompt, loading its KV from maru ...")
+        engine_b = engines[1].result()
+    finally:
+        for engine in engines:
+            engine.stop()
     with maru.open_store(config) as store:
         stats = store.stats().as_dict()
     loaded, own_hit = engine_b.external_cached_tokens[0], engine_a.num_cached_tokens[1]

@@ -170,10 +170,18 @@ class EngineRun:
     """Free-form facts from the child (vLLM version, block size, number of KV blocks)."""
 
 
-def run_engine(
+def run_engine(model_dir: str | os.PathLike[str], prompts: list[list[int]],
+               **options: Any) -> EngineRun:
+    """Run `prompts` through a fresh vLLM engine in its own process and return the result
+    (`options` as for `start_engine`)."""
+    return start_engine(model_dir, prompts, **options).result()
+
+
+def start_engine(
     model_dir: str | os.PathLike[str],
     prompts: list[list[int]],
     *,
+    held: bool = False,
     max_tokens: int = 8,
     kv_transfer_config: dict[str, Any] | None = None,
     block_size: int = 32,
@@ -187,8 +195,11 @@ def run_engine(
     llm_kwargs: dict[str, Any] | None = None,
     timeout_s: float = 900.0,
     log_path: str | os.PathLike[str] | None = None,
-) -> EngineRun:
-    """Run `prompts` through a fresh vLLM engine in a spawned process and return the result.
+) -> EngineProcess:
+    """Start a fresh vLLM engine in a spawned process that runs `prompts`.
+
+    A `held` engine builds its LLM and then waits for `release()` (or `result()`), so
+    engines can start up side by side and still generate one after another.
 
     Sampling is greedy (temperature 0) with exactly `max_tokens` new tokens per prompt
     (EOS ignored). `block_size` must be a multiple of 32 on the CPU backend.
@@ -225,26 +236,63 @@ def run_engine(
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    start = time.perf_counter()
-    proc = ctx.Process(target=_engine_child, args=(job, send), name="maru-vllm-engine")
+    built, go = ctx.Event(), ctx.Event()
+    if not held:
+        go.set()
+    proc = ctx.Process(target=_engine_child, args=(job, send, built, go),
+                       name="maru-vllm-engine")
+    started = time.perf_counter()
     proc.start()
     send.close()
-    try:
-        result = _receive(recv, proc, timeout_s)
-        received = time.perf_counter()
-    finally:
-        recv.close()
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    status, payload = result
-    if status != "ok":
-        raise EngineRunError(f"vLLM engine process failed:\n{payload}")
-    run = EngineRun(**payload)
-    run.wall_s = received - start
-    run.exit_s = time.perf_counter() - received
-    return run
+    return EngineProcess(proc, recv, built, go, started, timeout_s)
+
+
+@dataclass
+class EngineProcess:
+    """An engine started by `start_engine`."""
+
+    proc: Any
+    recv: Any
+    built: Any
+    """Set by the child once its LLM is built."""
+    go: Any
+    """Set to let the child generate."""
+    started: float
+    timeout_s: float
+
+    def wait_built(self) -> None:
+        """Wait until the engine is built, or has failed (`result()` then says why)."""
+        while not self.built.wait(0.5):
+            if not self.proc.is_alive() or self.recv.poll(0):
+                return
+
+    def release(self) -> None:
+        """Let a held engine generate."""
+        self.go.set()
+
+    def stop(self) -> None:
+        """End the process if it still runs (e.g. a held engine that is not needed)."""
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def result(self) -> EngineRun:
+        """Release the engine and wait for what it produced."""
+        self.release()
+        try:
+            result = _receive(self.recv, self.proc, self.timeout_s)
+            received = time.perf_counter()
+        finally:
+            self.recv.close()
+            self.proc.join(timeout=30)
+            self.stop()
+        status, payload = result
+        if status != "ok":
+            raise EngineRunError(f"vLLM engine process failed:\n{payload}")
+        run = EngineRun(**payload)
+        run.wall_s = received - self.started
+        run.exit_s = time.perf_counter() - received
+        return run
 
 
 def _receive(recv: Any, proc: Any, timeout_s: float) -> tuple[str, Any]:
@@ -279,14 +327,14 @@ def _no_result(exitcode: int | None) -> str:
     return text
 
 
-def _engine_child(job: dict[str, Any], send: Any) -> None:
+def _engine_child(job: dict[str, Any], send: Any, built: Any, go: Any) -> None:
     """Spawned process entry point: run the job, send ("ok", fields) or ("error", text)."""
     try:
         if job["log_path"]:
             log = os.open(job["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(log, 1)
             os.dup2(log, 2)
-        result: tuple[str, Any] = ("ok", _run_job(job))
+        result: tuple[str, Any] = ("ok", _run_job(job, built, go))
     except BaseException:  # report everything, including SystemExit from vLLM
         result = ("error", traceback.format_exc())
     try:
@@ -304,7 +352,7 @@ def _engine_child(job: dict[str, Any], send: Any) -> None:
         os._exit(0)
 
 
-def _run_job(job: dict[str, Any]) -> dict[str, Any]:
+def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     """Build the LLM and generate, in the child. Returns `EngineRun` fields."""
     os.environ.update(job["env"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -337,6 +385,8 @@ def _run_job(job: dict[str, Any]) -> dict[str, Any]:
     llm_kwargs.update(job["llm_kwargs"])
     llm = LLM(**llm_kwargs)
     startup_s = time.perf_counter() - t0
+    built.set()
+    go.wait()
 
     params = SamplingParams(
         temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False
