@@ -192,6 +192,38 @@ class BackendContract:
         assert stats.hits == before.hits + 2
         assert stats.misses == before.misses + 1
 
+    # --- reading without a copy ----------------------------------------------
+
+    def test_a_view_holds_the_committed_bytes(self, store: Backend) -> None:
+        data = payload("v", 40 * KIB)
+        store.put(b"v", data)
+        view = store.view("v")
+        assert bytes(view.data) == data and view.valid()
+        assert view.data.readonly
+        assert store.view(b"missing") is None
+
+    def test_a_valid_view_never_holds_another_objects_bytes(self, store: Backend) -> None:
+        size = self.capacity // 6
+        store.put(b"old", payload("old", size))
+        view = store.view(b"old")
+        store.delete(b"old")
+        for i in range(12):  # enough writes to reuse the freed memory
+            store.put(f"new{i}", payload(f"new{i}", size))
+        seen = bytes(view.data)
+        assert not view.valid() or seen == payload("old", size)
+
+    def test_zero_copy_says_where_objects_are_read_and_written(self, store: Backend) -> None:
+        memory = store.host_memory()
+        if not store.zero_copy:
+            assert memory is None
+            return
+        base = np.frombuffer(memory, np.uint8).ctypes.data
+        within = lambda view: base <= np.frombuffer(view, np.uint8).ctypes.data < base + len(memory)  # noqa: E731
+        store.put(b"k", payload("k", 10 * KIB))
+        assert within(store.view(b"k").data), "a view reads the object in place"
+        with store.reserve(b"r", 10 * KIB) as buffer:
+            assert within(buffer), "a reservation is written in place"
+
     # --- lifecycle and concurrency -------------------------------------------
 
     def test_a_closed_store_raises_backend_error(self, make_store) -> None:
@@ -243,7 +275,7 @@ class EvictionContract:
 
 
 def churn_in_threads(store: Backend, threads: int = 4, operations: int = 300) -> list[str]:
-    """Random puts and gets from several threads; every read that was wrong."""
+    """Random puts, gets and views from several threads; every read that was wrong."""
     errors: list[str] = []
     sizes = [KIB, 7 * KIB, 16 * KIB, 33 * KIB]
 
@@ -252,12 +284,17 @@ def churn_in_threads(store: Backend, threads: int = 4, operations: int = 300) ->
         for _ in range(operations):
             i = int(rng.integers(40))
             key, size = f"obj{i}", sizes[i % len(sizes)]
-            if rng.random() < 0.5:
+            action = rng.random()
+            if action < 0.5:
                 store.put(key, payload(key, size))
-            else:
+            elif action < 0.75:
                 got = store.get(key)
                 if got is not None and got != payload(key, size):
                     errors.append(f"{key}: wrong bytes")
+            elif (view := store.view(key)) is not None:
+                seen = bytes(view.data)
+                if view.valid() and seen != payload(key, size):
+                    errors.append(f"{key}: wrong bytes in a valid view")
 
     running = [threading.Thread(target=worker, args=(seed,)) for seed in range(threads)]
     for thread in running:

@@ -12,6 +12,11 @@ Semantics, for every backend:
 - A miss is `None`/`False`; a broken backend raises `BackendError`.
 - `get_into` with a buffer smaller than the object raises
   `BufferTooSmallError` and copies nothing.
+- `view` reads a committed object without copying it where the backend keeps
+  objects in memory it can expose (`zero_copy`: shm, cxl); the reader checks
+  `ReadView.valid()` after reading, because an evicted object's memory is
+  reused. Other backends (network stores, most plugins) hand over a private
+  copy, always valid.
 
 Subclasses implement the underscored primitives; this class validates keys and
 buffers once, so every backend treats bad input the same way.
@@ -22,7 +27,7 @@ from __future__ import annotations
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
@@ -94,12 +99,34 @@ def _tensor_as_numpy(tensor: Any) -> Any:
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
+class ReadView:
+    """A committed object's bytes, read in place or from a private copy.
+
+    Bytes read in place count only if `valid()` is True after reading them: the
+    object may have been evicted, and its memory reused, meanwhile.
+    """
+
+    __slots__ = ("_valid", "data")
+
+    def __init__(self, data: memoryview, valid: Callable[[], bool] | None = None) -> None:
+        self.data = data
+        """The object's bytes (read-only)."""
+        self._valid = valid
+
+    def valid(self) -> bool:
+        """Were `data` the committed object's bytes throughout, up to now?"""
+        return self._valid is None or self._valid()
+
+
 class Backend(ABC):
     """A key-value store for opaque byte objects. See the module docstring."""
 
     name: ClassVar[str]
     Options: ClassVar[type[BaseModel]]
     description: ClassVar[str] = ""
+    zero_copy: ClassVar[bool] = False
+    """`view` reads objects in place and `reserve` writes them in place, in the memory
+    `host_memory()` returns; False: one copy through a private buffer each way."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -147,6 +174,15 @@ class Backend(ABC):
         If `out` is too small, raises BufferTooSmallError and copies nothing.
         """
         return self._get_into(self._open_key(key), byte_view(out, writable=True))
+
+    def view(self, key: Key) -> ReadView | None:
+        """The object's bytes without a copy where `zero_copy`; None on a miss."""
+        return self._view(self._open_key(key))
+
+    def host_memory(self) -> memoryview | None:
+        """The memory views and reservations point into (for page-locking it with a
+        device runtime once), or None where objects go through private copies."""
+        return None
 
     def contains(self, keys: Sequence[Key]) -> list[bool]:
         """One answer per key, in order."""
@@ -228,6 +264,11 @@ class Backend(ABC):
         """Default: `_get`, then one copy; backends that can read in place override it."""
         data = self._get(key)
         return None if data is None else self.copy_out(key, data, out)
+
+    def _view(self, key: bytes) -> ReadView | None:
+        """Default: a private copy (backends with `zero_copy` read in place)."""
+        data = self._get(key)
+        return None if data is None else ReadView(memoryview(data).toreadonly())
 
     def copy_out(self, key: bytes, data: Any, out: memoryview) -> int:
         """Copy an object into `out`, or raise the too-small error and copy nothing."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
-from maru.backends.base import Backend, StoreStats
+from maru.backends.base import Backend, ReadView, StoreStats
 from maru.backends.pool.attach import RegionSpec, attach, detach
 from maru.backends.pool.core import SMALL_COPY, Handle
 from maru.config import Options
@@ -29,6 +29,8 @@ class PoolOptions(Options):
 
 class PoolBackend(Backend):
     """A Backend over a mapped Pool; subclasses say where the mapping comes from."""
+
+    zero_copy = True
 
     def __init__(self, config: Any, *, create: bool = True) -> None:
         super().__init__(config)
@@ -67,6 +69,12 @@ class PoolBackend(Backend):
 
         view = self.pool.read(key, fits, self.checksum)
         return None if view is None else view.nbytes
+
+    def _view(self, key: bytes) -> ReadView | None:
+        return self.pool.view(key, self.checksum)
+
+    def host_memory(self) -> memoryview:
+        return self.pool.tables.data_view
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
         return self.pool.contains(keys)

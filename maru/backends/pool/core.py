@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from maru.backends.base import StoreStats
+from maru.backends.base import ReadView, StoreStats
 from maru.backends.pool.allocator import Allocator
 from maru.backends.pool.checksum import NO_CHECKSUM, intact
 from maru.backends.pool.checksum import checksum as object_checksum
@@ -286,6 +286,35 @@ class Pool:
                 return None
             t.add(HITS, 1)
         return out, entry, generation, check
+
+    def view(self, key: bytes, verify: bool = False) -> ReadView | None:
+        """The committed object's bytes in place, or None on a miss. Counted as a hit
+        now; `valid()` takes that back (a miss) if the object was freed meanwhile, or,
+        with `verify`, if its bytes do not match its checksum (it is then removed)."""
+        t = self.tables
+        with self.locked():
+            entry = self.index.find(key, key_hash(key))
+            if entry == NONE or t.state[entry] != COMMITTED:
+                t.add(MISSES, 1)
+                return None
+            t.hot[entry] = 1
+            t.add(HITS, 1)
+            start = int(t.offset[entry] + t.key_len[entry])
+            size, generation, check = int(t.length[entry]), int(t.gen[entry]), int(t.check[entry])
+        data = t.data_view[start : start + size].toreadonly()
+
+        def valid() -> bool:
+            if verify and not intact(check, data):
+                self._discard_corrupt(entry, generation)
+                return False
+            with self.locked():
+                if t.gen[entry] == generation:
+                    return True
+                t.add(HITS, -1)
+                t.add(MISSES, 1)
+                return False
+
+        return ReadView(data, valid)
 
     def _discard_corrupt(self, entry: int, generation: int) -> None:
         """Count a load that failed its checksum as a miss, and free the object."""
