@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,14 +42,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import maru
 from maru.config import MaruConfig, load_config
 from maru.errors import (
-    BufferTooSmallError,
     ConfigError,
     InvalidKeyError,
     ObjectTooLargeError,
     PluginError,
 )
-from maru.layouts import LayoutAdapter, LayoutError, kv_tensor, recognise
+from maru.layouts import LayoutError, kv_tensor, recognise
 from maru.plugins import get_plugin_manager
+from maru.transfer import (
+    Blocks,
+    ChunkCopy,
+    Marker,
+    TransferEngine,
+    UnsupportedDeviceError,
+    host_tensor,
+    pin,
+)
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -78,6 +87,7 @@ class ChunkTransfer:
     block_ids: list[int]
     first_block: int = 0
     """Index, in the chunk, of block_ids[0] (a load may skip locally computed blocks)."""
+    req_id: str = ""
 
 
 @dataclass
@@ -86,6 +96,9 @@ class MaruConnectorMetadata(KVConnectorMetadata):
 
     loads: list[ChunkTransfer] = field(default_factory=list)
     saves: list[ChunkTransfer] = field(default_factory=list)
+    preempted: bool = False
+    """Requests were preempted: their blocks may be reused, so saves still copying
+    from them must finish first."""
 
 
 @dataclass
@@ -220,6 +233,9 @@ class RequestState:
     local_tokens: int = 0
     planned_chunks: int = 0
     """Chunks before this one are stored or have had their save planned."""
+    saving: bool = False
+    """A save was planned: the worker reports when it is done, and vLLM keeps the blocks
+    until then."""
     loads: list[ChunkTransfer] = field(default_factory=list)
 
 
@@ -326,7 +342,8 @@ class MaruScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
         """This step's loads and the saves of every chunk that completes in it."""
-        meta = MaruConnectorMetadata()
+        meta = MaruConnectorMetadata(
+            preempted=bool(getattr(scheduler_output, "preempted_req_ids", None)))
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
@@ -354,12 +371,16 @@ class MaruScheduler:
         for chunk in range(state.planned_chunks, complete):
             block_ids = state.block_ids[chunk * k:(chunk + 1) * k]
             if not state.stored[chunk] and len(block_ids) == k:
-                meta.saves.append(ChunkTransfer(state.keys[chunk], block_ids))
+                meta.saves.append(ChunkTransfer(state.keys[chunk], block_ids,
+                                                req_id=state.request.request_id))
+                state.saving = True
         state.planned_chunks = max(state.planned_chunks, complete)
 
-    def request_finished(self, request: Any) -> None:
-        """Forget the request."""
-        self.requests.pop(request.request_id, None)
+    def request_finished(self, request: Any) -> bool:
+        """Forget the request; True if vLLM must keep its blocks until the worker reports
+        its saves done (`get_finished`)."""
+        state = self.requests.pop(request.request_id, None)
+        return state is not None and state.saving
 
 
 def namespace_parts(vllm_config: VllmConfig, config: MaruConfig, layout: str) -> dict[str, Any]:
@@ -412,14 +433,33 @@ def warn_if_hash_seed_is_per_process(vllm_config: VllmConfig) -> None:
 
 
 @dataclass
+class PendingLoad:
+    """A chunk whose pages are being copied into its blocks."""
+
+    transfer: ChunkTransfer
+    copy: ChunkCopy
+    still_valid: Callable[[], bool]
+    """Were the bytes copied from the committed object? (Checked once copies are done.)"""
+    size: int
+    started: float
+
+
+@dataclass
 class PendingSave:
-    """A reservation being filled layer by layer."""
+    """A chunk being saved: its reservation, filled layer by layer, committed once its
+    copies are done."""
 
     key: bytes
-    block_ids: torch.Tensor
-    payload: torch.Tensor
+    req_id: str
+    copy: ChunkCopy
+    reservation: torch.Tensor
+    """The reservation's memory (the copies land in `copy.payload`, here or in staging)."""
+    staged: bool
     stack: ExitStack
+    started: float
     layers_done: set[str] = field(default_factory=set)
+    copied: Marker | None = None
+    """Set once every layer is queued: done when the copies are."""
 
 
 class MaruWorker:
@@ -436,86 +476,141 @@ class MaruWorker:
                                f"tensor_parallel_size = {tp_size}")
         self.rank = rank or 0
         self.stats = MaruConnectorStats()
-        self.adapter: LayoutAdapter | None = None
+        self.engine: TransferEngine | None = None
+        self.fingerprint = "unrecognised"
+        self.pinned = False
+        """The store's memory is page-locked, so device transfers use it directly."""
         self.failed_blocks: set[int] = set()
+        self.loading: list[PendingLoad] = []
         self.pending: dict[bytes, PendingSave] = {}
-        self._staging = torch.empty(0, dtype=torch.int8)
+        self.in_flight: list[PendingSave] = []
+        self.saving_requests: set[str] = set()
+        """Requests with a planned save: their blocks are freed once they are reported."""
+        self.finishing: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Find the layout adapter; an unknown layout disables the connector, loudly."""
+        """Find the layout adapter and the data path for the cache's device; a layout or
+        device the data path cannot handle disables the connector, loudly."""
         adapters = [p.cls for p in get_plugin_manager().layout_adapters.values()]
         num_blocks = self.num_blocks or _guess_num_blocks(kv_caches)
         try:
-            self.adapter = recognise(kv_caches, num_blocks, adapters)
+            adapter = recognise(kv_caches, num_blocks, adapters)
+            self.engine = TransferEngine(adapter)
         except LayoutError as exc:
             log.error("maru: %s", exc)
             return
-        self._staging = torch.empty(self.object_bytes(self.blocks_per_chunk), dtype=torch.int8)
-        self.store.available()  # at start-up: a new pool is set up here, not in a request
-        log.info("maru: KV layout %s (fingerprint %s), %d layers, %d bytes per block",
-                 self.adapter.name, self.adapter.fingerprint, len(self.adapter.layers),
-                 self.adapter.block_bytes)
+        except UnsupportedDeviceError as exc:
+            self.store.disable(str(exc))
+            return
+        self.fingerprint = adapter.fingerprint
+        store = self.store.available()  # at start-up: a new pool is set up here, not in a request
+        if self.engine.on_device and store is not None and store.zero_copy:
+            self.pinned = pin(store.host_memory())
+        log.info("maru: KV layout %s (fingerprint %s), %d layers, %d bytes per block, on %s%s",
+                 adapter.name, adapter.fingerprint, len(adapter.layers), adapter.block_bytes,
+                 self.engine.device, ", store memory page-locked" if self.pinned else "")
 
     def handshake(self) -> MaruHandshake:
-        return MaruHandshake(self.adapter.fingerprint if self.adapter else "unrecognised")
+        return MaruHandshake(self.fingerprint)
 
     def object_bytes(self, blocks: int) -> int:
-        return HEADER_BYTES + blocks * self.adapter.block_bytes
+        return HEADER_BYTES + self.engine.payload_bytes(blocks)
+
+    def _host_direct(self, store: maru.Backend) -> bool:
+        """Can copies use the store's memory itself (else a staging buffer)?"""
+        return not self.engine.on_device or (store.zero_copy and self.pinned)
 
     # loads
 
     def load(self, transfers: list[ChunkTransfer]) -> None:
-        """Copy every planned chunk into its blocks; report the blocks that failed."""
+        """Start copying every planned chunk into its blocks (on the CPU: copy them)."""
+        opened = []
         for transfer in transfers:
-            if not self._load_one(transfer):
-                self.failed_blocks.update(transfer.block_ids)
+            pending = self._open(transfer) if self.engine else None
+            if pending is None:
+                self._load_failed(transfer)
+            else:
+                opened.append(pending)
+        failed = self.engine.load([p.copy for p in opened]) if opened else set()
+        for index, pending in enumerate(opened):
+            if index in failed:
+                self._load_failed(pending.transfer)
+            else:
+                self.loading.append(pending)
+        if self.engine and not self.engine.on_device:
+            self.finish_loads()
 
-    def _load_one(self, transfer: ChunkTransfer) -> bool:
+    def _open(self, transfer: ChunkTransfer) -> PendingLoad | None:
+        """The chunk's object, checked, as host memory the copies can read; None if absent
+        or not to be trusted."""
         store = self.store.available()
-        if store is None or self.adapter is None:
-            self.stats.add(load_errors=1)
-            return False
+        if store is None:
+            return None
         started = time.perf_counter()
         key = rank_key(transfer.key, self.rank)
         try:
-            size = store.get_into(key, self._staging)
-        except BufferTooSmallError:
-            size = None  # larger than a chunk in this layout: not ours to load
+            view = store.view(key)
         except Exception as exc:
             self.store.failed(exc)
-            size = None
-        if size != self._staging.numel() or not self._trusted(key):
-            self.stats.add(load_errors=1)
-            return False
-        ids = torch.tensor(transfer.block_ids, dtype=torch.long)
-        try:
-            for name, offset in self.adapter.layer_offsets(self.blocks_per_chunk).items():
-                self.adapter.write_layer(name, ids, self._staging[HEADER_BYTES + offset:],
-                                         self.blocks_per_chunk, transfer.first_block)
-        except Exception as exc:  # the blocks are reported, and vLLM recomputes them
-            log.error("maru: copying a chunk into the KV cache failed: %s: %s",
-                      type(exc).__name__, exc)
-            self.stats.add(load_errors=1)
-            return False
-        self.stats.add(loads=1, loaded_bytes=size, load_seconds=time.perf_counter() - started)
-        return True
+            return None
+        expected = self.object_bytes(self.blocks_per_chunk)
+        if view is None or len(view.data) != expected or not self._trusted(key, view.data):
+            return None
+        payload, still_valid = host_tensor(view.data[HEADER_BYTES:]), view.valid
+        if not self._host_direct(store):
+            payload = self.engine.staging(payload.numel()).copy_(payload)
+            if not view.valid():
+                return None
+            still_valid = _always
+        copy = ChunkCopy(Blocks(transfer.block_ids), payload, self.blocks_per_chunk,
+                         transfer.first_block)
+        return PendingLoad(transfer, copy, still_valid, expected, started)
 
-    def _trusted(self, key: bytes) -> bool:
-        """The staged object is this key's, in this layout, and whole."""
-        payload = self._staging.numel() - HEADER_BYTES
-        expected = object_header(key, self.adapter.fingerprint, payload)
-        return self._staging[:HEADER_BYTES].numpy().tobytes() == expected
+    def _trusted(self, key: bytes, data: memoryview) -> bool:
+        """The object is this key's, in this layout, and whole."""
+        expected = object_header(key, self.fingerprint, len(data) - HEADER_BYTES)
+        return data[:HEADER_BYTES] == expected
+
+    def wait_for_layer(self, name: str) -> None:
+        if self.engine is not None:
+            self.engine.wait_layer(name)
+
+    def finish_loads(self) -> None:
+        """Wait for the loads' copies; a chunk whose object changed meanwhile failed."""
+        if not self.loading:
+            return
+        self.engine.loads_done().wait()
+        for pending in self.loading:
+            if pending.still_valid():
+                self.stats.add(loads=1, loaded_bytes=pending.size,
+                               load_seconds=time.perf_counter() - pending.started)
+            else:
+                self._load_failed(pending.transfer)
+        self.loading = []
+
+    def _load_failed(self, transfer: ChunkTransfer) -> None:
+        self.stats.add(load_errors=1)
+        self.failed_blocks.update(transfer.block_ids)
+
+    def take_failed_blocks(self) -> set[int]:
+        self.finish_loads()
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
 
     # saves
 
     def save_layer(self, layer_name: str, transfers: list[ChunkTransfer]) -> None:
-        """Copy one layer's pages of every chunk to save into its reservation."""
-        if self.adapter is None or layer_name not in self.adapter.layers:
+        """Queue one layer's pages of every chunk to save, after the layer's compute."""
+        if self.engine is None or layer_name not in self.engine.adapter.layers:
             return
+        chunks = []
         for transfer in transfers:
             pending = self._pending(transfer)
             if pending is not None and layer_name not in pending.layers_done:
-                self._copy_layer(pending, layer_name)
+                pending.layers_done.add(layer_name)
+                chunks.append(pending.copy)
+        if chunks:
+            self.engine.save_layer(layer_name, chunks)
 
     def _pending(self, transfer: ChunkTransfer) -> PendingSave | None:
         key = rank_key(transfer.key, self.rank)
@@ -536,52 +631,89 @@ class MaruWorker:
         if buffer is None:
             stack.close()
             return None
-        payload = torch.frombuffer(buffer, dtype=torch.int8)
-        payload[:HEADER_BYTES] = torch.frombuffer(
-            bytearray(object_header(key, self.adapter.fingerprint, size - HEADER_BYTES)),
-            dtype=torch.int8)
-        pending = PendingSave(key, torch.tensor(transfer.block_ids, dtype=torch.long), payload,
-                              stack)
+        reservation = torch.frombuffer(buffer, dtype=torch.int8)
+        header = object_header(key, self.fingerprint, size - HEADER_BYTES)
+        reservation[:HEADER_BYTES] = torch.frombuffer(bytearray(header), dtype=torch.int8)
+        staged = not self._host_direct(store)
+        pages = reservation[HEADER_BYTES:]
+        if staged:
+            pages = self.engine.staging(pages.numel())
+        copy = ChunkCopy(Blocks(transfer.block_ids), pages, len(transfer.block_ids))
+        pending = PendingSave(key, transfer.req_id, copy, reservation, staged, stack,
+                              time.perf_counter())
         self.pending[key] = pending
         return pending
 
-    def _copy_layer(self, pending: PendingSave, layer_name: str) -> None:
-        started = time.perf_counter()
-        count = len(pending.block_ids)
-        offset = HEADER_BYTES + self.adapter.layer_offsets(count)[layer_name]
-        self.adapter.read_layer(layer_name, pending.block_ids, pending.payload[offset:])
-        pending.layers_done.add(layer_name)
-        self.stats.add(save_seconds=time.perf_counter() - started)
-
     def finish_saves(self, transfers: list[ChunkTransfer]) -> None:
-        """Copy layers no save_kv_layer call delivered, then commit every chunk."""
-        if self.adapter is not None:
-            for transfer in transfers:
-                pending = self._pending(transfer)
-                for name in (self.adapter.layers if pending else ()):
-                    if name not in pending.layers_done:
-                        self._copy_layer(pending, name)
-        for key, pending in list(self.pending.items()):
-            del self.pending[key]
-            started = time.perf_counter()
-            try:
-                pending.stack.close()
-            except Exception as exc:
-                self.stats.add(save_errors=1)
-                self.store.failed(exc)
-                continue
-            self.stats.add(saves=1, saved_bytes=int(pending.payload.numel()),
-                           save_seconds=time.perf_counter() - started)
+        """Queue the layers no save_kv_layer call delivered; every chunk of this step is
+        then committed once its copies are done (on the CPU: now)."""
+        if self.engine is not None:
+            for name in self.engine.adapter.layers:
+                self.save_layer(name, transfers)
+        if self.pending:
+            done = self.engine.saves_done()
+            for pending in self.pending.values():
+                pending.copied = done
+                self.in_flight.append(pending)
+            self.pending.clear()
+        self.commit_copied()
+
+    def commit_copied(self, wait: bool = False) -> None:
+        """Commit every save whose copies are done (with `wait`: all of them)."""
+        still = []
+        for pending in self.in_flight:
+            if wait:
+                pending.copied.wait()
+            if pending.copied.done():
+                self._commit(pending)
+            else:
+                still.append(pending)
+        self.in_flight = still
+
+    def _commit(self, pending: PendingSave) -> None:
+        try:
+            if pending.staged:
+                pending.reservation[HEADER_BYTES:].copy_(pending.copy.payload)
+            pending.stack.close()
+        except Exception as exc:
+            self.stats.add(save_errors=1)
+            self.store.failed(exc)
+            return
+        self.stats.add(saves=1, saved_bytes=int(pending.reservation.numel()),
+                       save_seconds=time.perf_counter() - pending.started)
 
     def abort_saves(self, exc: BaseException) -> None:
         """Drop every open reservation (their space returns to the store)."""
-        for pending in self.pending.values():
+        if self.engine is not None:
+            self.engine.saves_done().wait()  # queued copies may still write into them
+        for pending in [*self.pending.values(), *self.in_flight]:
             pending.stack.__exit__(type(exc), exc, exc.__traceback__)
         self.pending.clear()
+        self.in_flight = []
 
-    def take_failed_blocks(self) -> set[int]:
-        failed, self.failed_blocks = self.failed_blocks, set()
-        return failed
+    def expect_saves(self, transfers: list[ChunkTransfer]) -> None:
+        """Note the requests these saves belong to (the scheduler holds their blocks)."""
+        self.saving_requests.update(t.req_id for t in transfers)
+
+    def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose saves are all committed (or dropped): vLLM may free
+        their blocks now."""
+        self.commit_copied()
+        self.finishing |= finished_req_ids & self.saving_requests
+        busy = {pending.req_id for pending in self.in_flight}
+        done = self.finishing - busy
+        self.finishing -= done
+        self.saving_requests -= done
+        return done
+
+    def close(self) -> None:
+        """Commit what is being saved, then close the store."""
+        self.commit_copied(wait=True)
+        self.store.close()
+
+
+def _always() -> bool:
+    return True
 
 
 def _guess_num_blocks(kv_caches: dict[str, Any]) -> int:
@@ -623,6 +755,12 @@ class MaruKVConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Loads and saves are issued per layer, between graph pieces (a whole-model CUDA
+        graph would replay the forward without them)."""
+        return True
+
     # worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -631,13 +769,22 @@ class MaruKVConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> MaruHandshake | None:
         return self._worker.handshake() if self._worker else None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and connector_metadata.saves:
+            self._worker.expect_saves(connector_metadata.saves)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if kv_connector_metadata.preempted:  # their blocks are reused from this step on
+            self._worker.commit_copied(wait=True)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         if metadata.loads:
             self._worker.load(metadata.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -659,6 +806,10 @@ class MaruKVConnector(KVConnectorBase_V1):
             self._worker.abort_saves(exc)
             self._worker.store.failed(exc)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        return (self._worker.finished_saving(finished_req_ids) or None) if self._worker \
+            else None, None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker else set()
 
@@ -677,8 +828,10 @@ class MaruKVConnector(KVConnectorBase_V1):
         return MaruConnectorStats(dict(data or {}))
 
     def shutdown(self) -> None:
-        half = self._worker or self._scheduler
-        half.store.close()
+        if self._worker is not None:
+            self._worker.close()
+        else:
+            self._scheduler.store.close()
 
     # scheduler side
 
@@ -696,8 +849,7 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.request_finished(request)
-        return False, None
+        return self._scheduler.request_finished(request), None
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         fingerprints = {m.layout_fingerprint for m in metadata.values()

@@ -7,8 +7,8 @@ indexes blocks; from the strides, every layer is then cut into *segments*:
 int8 views of shape (num_blocks, run_bytes), where run_bytes is the largest
 dense run of bytes inside a block. A block of a layer is its segments' runs
 (two for K/V-first tensors, one per head for head-outer layouts, one for
-block-first dense pages). Pages are copied as opaque bytes with index_select /
-index_copy_, never reshaped, so nothing is silently copied or reinterpreted.
+block-first dense pages). `maru.transfer` copies them as opaque bytes, never
+reshaped, so nothing is silently copied or reinterpreted.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def describe_tensor(tensor: Any) -> str:
 
 
 class LayoutAdapter:
-    """Pages of every layer of a KV cache, copied by block id.
+    """Where the pages of every layer of a KV cache are, by block id.
 
     Subclasses say which dimension indexes blocks (`block_dim`); a plugin with
     an exotic layout may also override `segments`.
@@ -149,28 +149,6 @@ class LayoutAdapter:
             offsets[name] = position
             position += size * num_blocks
         return offsets
-
-    def read_layer(self, name: str, block_ids: Any, out: Any) -> None:
-        """Copy one layer's pages of `block_ids` into the flat int8 tensor `out`."""
-        import torch
-
-        position, count = 0, len(block_ids)
-        for segment in self.layers[name]:
-            size = count * segment.run_bytes
-            torch.index_select(segment.view, 0, block_ids,
-                               out=out[position:position + size].view(count, segment.run_bytes))
-            position += size
-
-    def write_layer(self, name: str, block_ids: Any, data: Any, stored_blocks: int,
-                    first: int = 0) -> None:
-        """Copy one layer's pages into `block_ids` from `data`, the layer's part of an
-        object holding `stored_blocks` blocks, starting at block `first` of it."""
-        position, count = 0, len(block_ids)
-        for segment in self.layers[name]:
-            run = segment.run_bytes
-            rows = data[position:position + stored_blocks * run].view(stored_blocks, run)
-            segment.view.index_copy_(0, block_ids, rows[first:first + count])
-            position += stored_blocks * run
 
 
 class BlocksFirst(LayoutAdapter):

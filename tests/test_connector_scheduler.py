@@ -203,3 +203,26 @@ def test_chunk_tokens_must_be_a_multiple_of_the_block_size(tiny_model) -> None:
     with pytest.raises(maru.ConfigError, match="chunk_tokens = 48: not a multiple of vLLM's "
                                                "block size"):
         SchedulerHarness(tiny_model, unique_name(), chunk_tokens=48)
+
+
+def test_a_request_that_saved_keeps_its_blocks_until_its_saves_are_done(harness) -> None:
+    h = harness()
+    free = h.free_blocks()
+    h.add("a", tokens(300))
+    h.step()
+    assert "a" not in h.scheduler.requests or h.scheduler.requests["a"].is_finished()
+    assert h.free_blocks() < free, "its saves may still be copying from its blocks"
+    h.step()  # the worker reports the saves done
+    assert h.free_blocks() == free
+
+
+def test_a_request_that_saved_nothing_frees_its_blocks_at_once(harness) -> None:
+    h = harness()
+    h.add("a", tokens(300))
+    h.step()
+    h.step()
+    free = h.free_blocks()
+    h.add("b", tokens(300))  # every chunk stored: nothing to save
+    _, meta = h.step()
+    assert meta.saves == []
+    assert h.free_blocks() == free

@@ -16,6 +16,7 @@ from maru.connector import (
     rank_key,
 )
 from tests.conftest import unique_name
+from tests.copy_queues import DeferredQueue
 from tests.vllm_harness import make_kv_cache_config, make_vllm_config
 
 NB, LAYERS = 40, 3
@@ -110,7 +111,7 @@ def test_an_incomplete_save_is_never_visible(tiny_model, pool, monkeypatch) -> N
     meta = MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])])
     writer.bind_connector_metadata(meta)
     writer.save_kv_layer(LAYER_NAMES[0], None, None)
-    monkeypatch.setattr(writer._worker.adapter, "read_layer",
+    monkeypatch.setattr(writer._worker.engine, "_save_layer",
                         lambda *args: (_ for _ in ()).throw(RuntimeError("copy failed")))
     writer.wait_for_save()
     with maru.open_store(backend="mock", mock={"name": pool}) as store:
@@ -233,8 +234,8 @@ def test_a_copy_that_fails_mid_step_never_reaches_vllm(tiny_model, pool, monkeyp
     def broken(*args, **kwargs):
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(reader._worker.adapter, "write_layer", broken)
-    monkeypatch.setattr(reader._worker.adapter, "read_layer", broken)
+    monkeypatch.setattr(reader._worker.engine, "_load_layer", broken)
+    monkeypatch.setattr(reader._worker.engine, "_save_layer", broken)
     failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])],
                                                     saves=[ChunkTransfer(b"k1", [1, 2])]))
     assert failed == {11, 12}
@@ -302,3 +303,64 @@ def test_an_unknown_rank_with_tensor_parallelism_turns_the_worker_off(tiny_model
     assert not any(target[n].any() for n in LAYER_NAMES)
     with maru.open_store(backend="mock", mock={"name": pool}) as store:
         assert store.contains([rank_key(b"k1", 0), rank_key(b"k1", 1)]) == [False, False]
+
+
+def test_a_save_is_committed_and_its_blocks_released_only_once_copied(tiny_model, pool) -> None:
+    source = kv_caches(1)
+    writer = worker(tiny_model, pool, source)
+    queue = DeferredQueue()  # a stream that has not run the copies yet
+    writer._worker.engine.queue = queue
+    run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7], req_id="r")]))
+    key = rank_key(b"k0", 0)
+    with maru.open_store(backend="mock", mock={"name": pool}) as store:
+        assert store.contains([key]) == [False], "not visible before its copies are done"
+        assert writer.get_finished({"r"}) == (None, None), "vLLM keeps the blocks meanwhile"
+        queue.drain()
+        assert writer.get_finished(set()) == ({"r"}, None)
+        assert store.contains([key]) == [True]
+    target = kv_caches(None)
+    run_step(worker(tiny_model, pool, target),
+             MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])]))
+    assert same_blocks(source, [3, 7], target, [11, 12])
+
+
+def test_requests_without_saves_are_not_reported(tiny_model, pool) -> None:
+    writer = worker(tiny_model, pool, kv_caches(1))
+    run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7], req_id="r")]))
+    assert writer.get_finished({"r", "other"}) == ({"r"}, None)
+    assert writer.get_finished({"r"}) == (None, None), "reported once"
+
+
+def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model) -> None:
+    name = unique_name("recycled")
+    shm = {"backend": "shm", "capacity": "8MiB", "shm": {"name": name}}
+    source, target = kv_caches(1), kv_caches(None)
+    run_step(worker(tiny_model, "unused", source, settings=shm),
+             MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7]),
+                                          ChunkTransfer(b"k1", [1, 2])]))
+    store = maru.open_store(**shm)
+    reader = worker(tiny_model, "unused", target, settings=shm)
+
+    def recycle() -> None:  # while the copies run, k1 is evicted and its memory reused
+        size = len(store.get(rank_key(b"k1", 0)))
+        assert store.delete(rank_key(b"k1", 0))
+        assert store.put(b"other", bytes(size))
+
+    reader._worker.engine.queue = DeferredQueue(meanwhile=recycle)
+    failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12]),
+                                                           ChunkTransfer(b"k1", [20, 21])]))
+    assert failed == {20, 21}, "exactly the recycled chunk's blocks are recomputed"
+    assert same_blocks(source, [3, 7], target, [11, 12])
+    assert reader.get_kv_connector_stats().data["loads"] == 1
+    store.destroy()
+
+
+def test_a_cache_on_an_unsupported_device_disables_the_worker_once(tiny_model, pool,
+                                                                   caplog) -> None:
+    on_meta = {name: cache.to("meta") for name, cache in kv_caches(None).items()}
+    with caplog.at_level(logging.ERROR):
+        reader = worker(tiny_model, pool, on_meta)
+        failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [1, 2])]))
+    errors = logged_errors(caplog)
+    assert len(errors) == 1 and "device meta" in errors[0] and "supports cpu, cuda" in errors[0]
+    assert failed == {1, 2}

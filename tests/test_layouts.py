@@ -15,6 +15,7 @@ from maru.layouts import (
     recognise,
 )
 from maru.plugins import MaruPluginManager, get_plugin_manager
+from maru.transfer import Blocks, ChunkCopy, TransferEngine
 
 NB, BS, H, D, LAYERS = 12, 32, 2, 64, 3
 BUILTINS = [KVFirst, BlocksFirst]
@@ -64,25 +65,30 @@ def block_dim_of(tensor: torch.Tensor) -> int:
     return 1 if tensor.dim() >= 3 and tuple(tensor.shape[:2]) == (2, NB) else 0
 
 
+def save(adapter: LayoutAdapter, ids: list[int], payload: torch.Tensor) -> None:
+    """Every layer's pages of blocks `ids` into `payload`."""
+    engine = TransferEngine(adapter)
+    for name in adapter.layers:
+        engine.save_layer(name, [ChunkCopy(Blocks(ids), payload, len(ids))])
+
+
 def round_trip(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> None:
     """Pages of blocks 1, 4, 7 of `source` land in blocks 9, 2, 5 of `target`, and nothing
     else in `target` changes."""
     reader = recognise(source, NB, BUILTINS)
     writer = recognise(target, NB, BUILTINS)
     assert reader.fingerprint == writer.fingerprint
-    ids_from, ids_to = torch.tensor([1, 4, 7]), torch.tensor([9, 2, 5])
+    ids_from, ids_to = [1, 4, 7], [9, 2, 5]
     before = {name: {b: block_bytes(t, b, block_dim_of(t)) for b in range(NB)}
               for name, t in target.items()}
     stored = torch.empty(reader.block_bytes * 3, dtype=torch.int8)
-    for name, offset in reader.layer_offsets(3).items():
-        reader.read_layer(name, ids_from, stored[offset:])
-    for name, offset in writer.layer_offsets(3).items():
-        writer.write_layer(name, ids_to, stored[offset:], 3)
+    save(reader, ids_from, stored)
+    TransferEngine(writer).load([ChunkCopy(Blocks(ids_to), stored, 3)])
     for name, tensor in target.items():
         dim = block_dim_of(tensor)
-        for src, dst in zip(ids_from.tolist(), ids_to.tolist(), strict=True):
+        for src, dst in zip(ids_from, ids_to, strict=True):
             assert block_bytes(tensor, dst, dim) == block_bytes(source[name], src, dim)
-        for block in set(range(NB)) - set(ids_to.tolist()):
+        for block in set(range(NB)) - set(ids_to):
             assert block_bytes(tensor, block, dim) == before[name][block], "untouched block"
 
 
@@ -215,7 +221,7 @@ def test_a_plugin_adapter_is_used_for_a_layout_the_builtins_do_not_know() -> Non
     chosen = recognise(exotic, NB, adapters)
     assert chosen.name == "blocks-last"
     stored = torch.empty(chosen.block_bytes, dtype=torch.int8)
-    chosen.read_layer("l", torch.tensor([3]), stored)
+    save(chosen, [3], stored)
     assert stored.numpy().tobytes() == block_bytes(exotic["l"], 3, 3)
     assert recognise({"l": torch.zeros(NB, H, BS, D)}, NB, adapters).name == "blocks-first"
 

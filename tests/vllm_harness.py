@@ -1,8 +1,9 @@
 """vLLM's real Scheduler driven step by step with MaruKVConnector's scheduler half.
 
 The worker's part (copying KV) is played by putting a placeholder object for
-every chunk the metadata says to save, so these tests see exactly what the
-scheduler half plans: lookups, loads, saves, and their block ids.
+every chunk the metadata says to save, and by reporting a finished request's
+saves done in the next step, so these tests see exactly what the scheduler
+half plans: lookups, loads, saves, their block ids, and when blocks are freed.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class SchedulerHarness:
         self.connector = self.scheduler.connector
         self.stats: dict[str, float] = {}
         self.blocks: dict[str, list[int]] = {}
+        self.saving: set[str] = set()
         self.store = maru.open_store(backend="mock", mock={"name": pool})
 
     def add(self, req_id: str, tokens: list[int], *, cache_salt: str | None = None,
@@ -94,12 +96,15 @@ class SchedulerHarness:
 
     def step(self) -> tuple[Any, MaruConnectorMetadata]:
         """Schedule, play the worker (store what is saved), report the model's output."""
-        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
         for save in meta.saves:
             self.store.put(rank_key(save.key, 0), b"pages")
+            self.saving.add(save.req_id)
+        saved = output.finished_req_ids & self.saving
+        self.saving -= saved
         computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -113,12 +118,16 @@ class SchedulerHarness:
             sampled.append([7] if done >= prompt else [])
         engine_outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled))
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(finished_sending=saved)))
         for outputs in engine_outputs.values():
             reported = outputs.scheduler_stats and outputs.scheduler_stats.kv_connector_stats
             for name, value in (reported or {}).items():
                 self.stats[name] = self.stats.get(name, 0) + value
         return output, meta
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def preempt(self, req_id: str) -> None:
         """Preempt a running request, as vLLM does when it runs out of blocks."""

@@ -1,0 +1,122 @@
+"""The data path without vLLM: pages round-trip bit-exactly for every layout row and
+device, loads complete layer by layer, and devices it cannot handle are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from maru.layouts import recognise
+from maru.transfer import (
+    Blocks,
+    ChunkCopy,
+    TransferEngine,
+    UnsupportedDeviceError,
+    queue_for,
+    widest,
+)
+from tests.copy_queues import DeferredQueue
+from tests.test_layouts import BUILTINS, NB, ROWS, block_dim_of, filled
+
+LAYERS = 3
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device on this machine")),
+]
+BLOCK_IDS = {
+    "consecutive": ([4, 5, 6], [8, 9, 10]),
+    "scattered": ([1, 7, 4], [9, 2, 5]),
+    "mixed": ([0, 1, 5], [10, 11, 3]),
+}
+
+
+def caches(row: str, seed: int, device: str) -> dict[str, torch.Tensor]:
+    return {f"layer{i}": filled(ROWS[row](), seed + i).to(device) for i in range(LAYERS)}
+
+
+def page(tensor: torch.Tensor, block: int) -> torch.Tensor:
+    """The bytes of one block, read independently of maru."""
+    return tensor.select(block_dim_of(tensor), block).contiguous().cpu().flatten().view(torch.uint8)
+
+
+def save_chunk(engine: TransferEngine, ids: list[int]) -> torch.Tensor:
+    payload = engine.staging(engine.payload_bytes(len(ids)))
+    chunk = ChunkCopy(Blocks(ids), payload, len(ids))
+    for name in engine.adapter.layers:
+        engine.save_layer(name, [chunk])
+    engine.saves_done().wait()
+    return payload
+
+
+@pytest.mark.parametrize("ids", BLOCK_IDS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("row", ROWS)
+def test_pages_round_trip_bit_exactly(row: str, device: str, ids: str) -> None:
+    source, target = caches(row, 1, device), caches(row, 100, device)
+    before = {name: [page(t, b) for b in range(NB)] for name, t in target.items()}
+    ids_from, ids_to = BLOCK_IDS[ids]
+    payload = save_chunk(TransferEngine(recognise(source, NB, BUILTINS)), ids_from)
+    loader = TransferEngine(recognise(target, NB, BUILTINS))
+    assert loader.load([ChunkCopy(Blocks(ids_to), payload, 3)]) == set()
+    loader.loads_done().wait()
+    for name, tensor in target.items():
+        for src, dst in zip(ids_from, ids_to, strict=True):
+            assert torch.equal(page(tensor, dst), page(source[name], src)), (name, dst)
+        for block in set(range(NB)) - set(ids_to):
+            assert torch.equal(page(tensor, block), before[name][block]), "untouched block"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_can_skip_the_first_blocks_of_a_chunk(device: str) -> None:
+    row = "0.26 (NB,H,BS,2D) HND"
+    source, target = caches(row, 1, device), caches(row, 100, device)
+    payload = save_chunk(TransferEngine(recognise(source, NB, BUILTINS)), [2, 3, 4])
+    loader = TransferEngine(recognise(target, NB, BUILTINS))
+    loader.load([ChunkCopy(Blocks([7, 11]), payload, 3, first=1)])
+    loader.loads_done().wait()
+    for name, tensor in target.items():
+        assert torch.equal(page(tensor, 7), page(source[name], 3))
+        assert torch.equal(page(tensor, 11), page(source[name], 4))
+
+
+def test_loads_complete_layer_by_layer() -> None:
+    row = "0.26 (NB,H,BS,2D) HND"
+    source, target = caches(row, 1, "cpu"), caches(row, 100, "cpu")
+    payload = save_chunk(TransferEngine(recognise(source, NB, BUILTINS)), [2, 3])
+    queue = DeferredQueue()
+    loader = TransferEngine(recognise(target, NB, BUILTINS), queue)
+    loader.load([ChunkCopy(Blocks([5, 6]), payload, 2)])
+    assert not torch.equal(page(target["layer0"], 5), page(source["layer0"], 2)), "queued only"
+    loader.wait_layer("layer0")
+    assert torch.equal(page(target["layer0"], 5), page(source["layer0"], 2))
+    assert not torch.equal(page(target["layer1"], 5), page(source["layer1"], 2)), \
+        "waiting for layer 0 does not wait for layer 1"
+    loader.wait_layer("layer1")
+    loader.wait_layer("layer2")
+    assert all(torch.equal(page(target[n], 6), page(source[n], 3)) for n in target)
+
+
+def test_a_chunk_whose_copy_cannot_be_issued_is_reported_alone(monkeypatch) -> None:
+    row = "0.26 (NB,H,BS,2D) HND"
+    source, target = caches(row, 1, "cpu"), caches(row, 100, "cpu")
+    payload = save_chunk(TransferEngine(recognise(source, NB, BUILTINS)), [2, 3])
+    loader = TransferEngine(recognise(target, NB, BUILTINS))
+    short = payload[:-1]  # one byte short: its last layer cannot be copied
+    failed = loader.load([ChunkCopy(Blocks([5, 6]), payload, 2),
+                          ChunkCopy(Blocks([8, 9]), short, 2)])
+    assert failed == {1}
+    assert all(torch.equal(page(target[n], 6), page(source[n], 3)) for n in target)
+
+
+def test_a_device_without_a_data_path_is_refused_by_name() -> None:
+    with pytest.raises(UnsupportedDeviceError, match="device meta; maru's data path supports "
+                                                     "cpu, cuda"):
+        queue_for(torch.device("meta"))
+
+
+def test_pages_are_indexed_as_wide_integers_when_aligned() -> None:
+    rows = torch.zeros(4, 64, dtype=torch.int8)
+    assert widest(rows)[0].dtype == torch.int64
+    assert widest(rows[:, 2:])[0].dtype == torch.int16, "offset by 2 bytes"
+    assert widest(rows[:, 1:])[0].dtype == torch.int8
