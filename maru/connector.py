@@ -26,8 +26,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,8 @@ log = logging.getLogger("vllm.maru")
 
 HEADER_BYTES = 64
 HEADER_MAGIC = b"MARUKV01"
+NO_DATA_PATH = "unrecognised"
+"""The fingerprint a worker reports when its layout or device has no data path."""
 PERMANENT_ERRORS = (ConfigError, PluginError, InvalidKeyError, ObjectTooLargeError)
 """Store errors that retrying cannot fix: they turn the half off instead of backing off."""
 
@@ -111,6 +113,8 @@ class MaruHandshake(KVConnectorHandshakeMetadata):
 STAT_FIELDS = ("lookups", "lookup_errors", "hit_tokens", "loads", "loaded_bytes",
                "load_seconds", "load_errors", "saves", "saved_bytes", "save_seconds",
                "save_errors")
+"""`load_seconds` and `save_seconds` are the time the worker spent in maru's calls
+(issuing copies, and on the CPU making them; waiting for them; committing)."""
 
 
 @dataclass
@@ -131,6 +135,15 @@ class MaruConnectorStats(KVConnectorStats):
         for name, value in counts.items():
             self.data[name] += value
             self.lifetime[name] += value
+
+    @contextmanager
+    def timing(self, counter: str) -> Iterator[None]:
+        """Add the seconds spent inside the block to `counter`."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(**{counter: time.perf_counter() - started})
 
     def reset(self) -> None:
         self.data = dict.fromkeys(STAT_FIELDS, 0)
@@ -263,7 +276,11 @@ class MaruScheduler:
         self.store.available()  # at start-up: a new pool is set up here, not in a request
 
     def set_layout(self, fingerprints: set[str]) -> None:
-        """Take the workers' layout fingerprint into the namespace."""
+        """Take the workers' layout fingerprint into the namespace; stop looking up
+        chunks no worker could load (a worker without a data path said why)."""
+        if NO_DATA_PATH in fingerprints:
+            self.store.disabled = True
+            log.info("maru: a worker has no data path for its KV cache; no lookups either")
         self._layout = ",".join(sorted(fingerprints))
         self._prefix = None
 
@@ -289,6 +306,8 @@ class MaruScheduler:
         Every chunk is looked up, also those vLLM holds itself: the store may have
         lost them (restarted, evicted, down earlier), and then they are saved again.
         """
+        if self.store.disabled:  # nothing to load, and no worker could save
+            return 0
         keys = self.chunk_keys(request)
         local = num_computed_tokens // self.chunk_tokens
         stored = self._stored(keys)
@@ -441,7 +460,6 @@ class PendingLoad:
     still_valid: Callable[[], bool]
     """Were the bytes copied from the committed object? (Checked once copies are done.)"""
     size: int
-    started: float
 
 
 @dataclass
@@ -456,7 +474,6 @@ class PendingSave:
     """The reservation's memory (the copies land in `copy.payload`, here or in staging)."""
     staged: bool
     stack: ExitStack
-    started: float
     layers_done: set[str] = field(default_factory=set)
     copied: Marker | None = None
     """Set once every layer is queued: done when the copies are."""
@@ -477,7 +494,7 @@ class MaruWorker:
         self.rank = rank or 0
         self.stats = MaruConnectorStats()
         self.engine: TransferEngine | None = None
-        self.fingerprint = "unrecognised"
+        self.fingerprint = NO_DATA_PATH
         self.pinned = False
         """The store's memory is page-locked, so device transfers use it directly."""
         self.failed_blocks: set[int] = set()
@@ -524,6 +541,10 @@ class MaruWorker:
 
     def load(self, transfers: list[ChunkTransfer]) -> None:
         """Start copying every planned chunk into its blocks (on the CPU: copy them)."""
+        with self.stats.timing("load_seconds"):
+            self._start_loads(transfers)
+
+    def _start_loads(self, transfers: list[ChunkTransfer]) -> None:
         opened = []
         for transfer in transfers:
             pending = self._open(transfer) if self.engine else None
@@ -538,7 +559,7 @@ class MaruWorker:
             else:
                 self.loading.append(pending)
         if self.engine and not self.engine.on_device:
-            self.finish_loads()
+            self._finish_loads()
 
     def _open(self, transfer: ChunkTransfer) -> PendingLoad | None:
         """The chunk's object, checked, as host memory the copies can read; None if absent
@@ -546,7 +567,6 @@ class MaruWorker:
         store = self.store.available()
         if store is None:
             return None
-        started = time.perf_counter()
         key = rank_key(transfer.key, self.rank)
         try:
             view = store.view(key)
@@ -564,7 +584,7 @@ class MaruWorker:
             still_valid = _always
         copy = ChunkCopy(Blocks(transfer.block_ids), payload, self.blocks_per_chunk,
                          transfer.first_block)
-        return PendingLoad(transfer, copy, still_valid, expected, started)
+        return PendingLoad(transfer, copy, still_valid, expected)
 
     def _trusted(self, key: bytes, data: memoryview) -> bool:
         """The object is this key's, in this layout, and whole."""
@@ -577,13 +597,15 @@ class MaruWorker:
 
     def finish_loads(self) -> None:
         """Wait for the loads' copies; a chunk whose object changed meanwhile failed."""
-        if not self.loading:
-            return
+        if self.loading:
+            with self.stats.timing("load_seconds"):
+                self._finish_loads()
+
+    def _finish_loads(self) -> None:
         self.engine.loads_done().wait()
         for pending in self.loading:
             if pending.still_valid():
-                self.stats.add(loads=1, loaded_bytes=pending.size,
-                               load_seconds=time.perf_counter() - pending.started)
+                self.stats.add(loads=1, loaded_bytes=pending.size)
             else:
                 self._load_failed(pending.transfer)
         self.loading = []
@@ -601,6 +623,10 @@ class MaruWorker:
 
     def save_layer(self, layer_name: str, transfers: list[ChunkTransfer]) -> None:
         """Queue one layer's pages of every chunk to save, after the layer's compute."""
+        with self.stats.timing("save_seconds"):
+            self._queue_layer(layer_name, transfers)
+
+    def _queue_layer(self, layer_name: str, transfers: list[ChunkTransfer]) -> None:
         if self.engine is None or layer_name not in self.engine.adapter.layers:
             return
         chunks = []
@@ -639,23 +665,22 @@ class MaruWorker:
         if staged:
             pages = self.engine.staging(pages.numel())
         copy = ChunkCopy(Blocks(transfer.block_ids), pages, len(transfer.block_ids))
-        pending = PendingSave(key, transfer.req_id, copy, reservation, staged, stack,
-                              time.perf_counter())
+        pending = PendingSave(key, transfer.req_id, copy, reservation, staged, stack)
         self.pending[key] = pending
         return pending
 
     def finish_saves(self, transfers: list[ChunkTransfer]) -> None:
         """Queue the layers no save_kv_layer call delivered; every chunk of this step is
         then committed once its copies are done (on the CPU: now)."""
-        if self.engine is not None:
-            for name in self.engine.adapter.layers:
-                self.save_layer(name, transfers)
-        if self.pending:
-            done = self.engine.saves_done()
-            for pending in self.pending.values():
-                pending.copied = done
-                self.in_flight.append(pending)
-            self.pending.clear()
+        with self.stats.timing("save_seconds"):
+            for name in self.engine.adapter.layers if self.engine else ():
+                self._queue_layer(name, transfers)
+            if self.pending:
+                done = self.engine.saves_done()
+                for pending in self.pending.values():
+                    pending.copied = done
+                    self.in_flight.append(pending)
+                self.pending.clear()
         self.commit_copied()
 
     def commit_copied(self, wait: bool = False) -> None:
@@ -663,7 +688,8 @@ class MaruWorker:
         still = []
         for pending in self.in_flight:
             if wait:
-                pending.copied.wait()
+                with self.stats.timing("save_seconds"):
+                    pending.copied.wait()
             if pending.copied.done():
                 self._commit(pending)
             else:
@@ -672,15 +698,15 @@ class MaruWorker:
 
     def _commit(self, pending: PendingSave) -> None:
         try:
-            if pending.staged:
-                pending.reservation[HEADER_BYTES:].copy_(pending.copy.payload)
-            pending.stack.close()
+            with self.stats.timing("save_seconds"):
+                if pending.staged:
+                    pending.reservation[HEADER_BYTES:].copy_(pending.copy.payload)
+                pending.stack.close()
         except Exception as exc:
             self.stats.add(save_errors=1)
             self.store.failed(exc)
             return
-        self.stats.add(saves=1, saved_bytes=int(pending.reservation.numel()),
-                       save_seconds=time.perf_counter() - pending.started)
+        self.stats.add(saves=1, saved_bytes=int(pending.reservation.numel()))
 
     def abort_saves(self, exc: BaseException) -> None:
         """Drop every open reservation (their space returns to the store)."""

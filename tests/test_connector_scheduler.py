@@ -226,3 +226,15 @@ def test_a_request_that_saved_nothing_frees_its_blocks_at_once(harness) -> None:
     _, meta = h.step()
     assert meta.saves == []
     assert h.free_blocks() == free
+
+
+def test_no_lookups_once_a_worker_says_it_cannot_load(harness) -> None:
+    from maru.connector import NO_DATA_PATH, MaruHandshake
+
+    h = harness()
+    h.add("a", tokens(300))
+    h.step()
+    h.connector.set_xfer_handshake_metadata({0: MaruHandshake(NO_DATA_PATH)})
+    h.add("b", tokens(300))
+    _, meta = h.step()
+    assert meta.loads == [] and meta.saves == []

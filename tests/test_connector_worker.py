@@ -10,6 +10,7 @@ import torch
 import maru
 from maru.connector import (
     HEADER_BYTES,
+    NO_DATA_PATH,
     ChunkTransfer,
     MaruConnectorMetadata,
     MaruKVConnector,
@@ -173,7 +174,7 @@ def test_an_unknown_layout_disables_the_connector_with_one_clear_error(tiny_mode
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "no layout adapter recognises this KV cache" in errors[0]
     assert "shape (32, 40, 2, 128)" in errors[0]
-    assert connector.get_handshake_metadata().layout_fingerprint == "unrecognised"
+    assert connector.get_handshake_metadata().layout_fingerprint == NO_DATA_PATH
     failed = run_step(connector, MaruConnectorMetadata(
         loads=[ChunkTransfer(b"k0", [1, 2])], saves=[ChunkTransfer(b"k1", [3, 4])]))
     assert failed == {1, 2}
@@ -364,3 +365,4 @@ def test_a_cache_on_an_unsupported_device_disables_the_worker_once(tiny_model, p
     errors = logged_errors(caplog)
     assert len(errors) == 1 and "device meta" in errors[0] and "supports cpu, cuda" in errors[0]
     assert failed == {1, 2}
+    assert reader.get_handshake_metadata().layout_fingerprint == NO_DATA_PATH
