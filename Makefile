@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.maru-installed
 
-.PHONY: check test demo bench lint venv clean redis-server
+.PHONY: check test demo bench bench-gpu lint venv clean redis-server
 
 venv: $(STAMP)
 
@@ -56,3 +56,7 @@ bench: $(STAMP) redis-server
 	PYTHON=$(BIN)/python tools/with-redis-server \
 	  $(BIN)/maru bench --backend shm --backend cxl --backend redis --backend mock
 	$(BIN)/python benchmarks/e2e_vllm.py
+
+# The data path on a CUDA machine (no vLLM needed): round trips and throughput.
+bench-gpu: $(STAMP)
+	$(BIN)/python benchmarks/gpu_transfer.py

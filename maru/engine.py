@@ -397,6 +397,7 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
 
     outputs: list[Any] = []
     external: list[int | None] = []
+    totals_after: list[dict[str, float]] = []
     t1 = time.perf_counter()
     if sequential:
         for prompt in prompts:
@@ -406,6 +407,8 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
             key = "vllm:external_prefix_cache_hits"
             hits = after.get(key, 0.0) - before.get(key, 0.0)
             external.append(int(hits) if has_connector else None)
+            if has_connector:
+                totals_after.append(_connector_totals(llm))
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         external = [None] * len(prompts)
@@ -428,6 +431,7 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     if has_connector:
         kv_connector = job["kv_transfer_config"].get("kv_connector")
         extra["connector_totals"] = _connector_totals(llm)
+        extra["connector_totals_after_prompt"] = totals_after
 
     run = EngineRun(
         token_ids=[list(out.outputs[0].token_ids) for out in outputs],

@@ -120,3 +120,19 @@ def test_pages_are_indexed_as_wide_integers_when_aligned() -> None:
     assert widest(rows)[0].dtype == torch.int64
     assert widest(rows[:, 2:])[0].dtype == torch.int16, "offset by 2 bytes"
     assert widest(rows[:, 1:])[0].dtype == torch.int8
+
+
+def test_the_gpu_check_runs_its_round_trips_on_the_cpu(tmp_path, monkeypatch) -> None:
+    """benchmarks/gpu_transfer.py is run on GPU machines by hand; here it must not rot."""
+    import json
+    import runpy
+    import sys
+
+    output = tmp_path / "gpu_transfer.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_transfer.py", "--device", "cpu", "--layers", "2",
+                                      "--blocks", "64", "--repeats", "1", "--output", str(output)])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path("benchmarks/gpu_transfer.py", run_name="__main__")
+    assert exited.value.code == 0
+    layouts = json.loads(output.read_text())["layouts"]
+    assert len(layouts) == 6 and all(r["bit_exact"] for r in layouts.values())
