@@ -10,15 +10,17 @@ one token) on a random model large enough that prefill dominates:
 4. maru, second engine: every prompt hits;
 5. and 6. the same with vLLM's built-in ExampleConnector.
 
-maru's copies are compared with plain memcpy measured in the same run (one thread,
-as the CPU worker's copies run, rotating through buffers larger than the KV
-caches, so DRAM and not the CPU cache). Printed as ratios measured in the same
-run. `python benchmarks/e2e_vllm.py --help`.
+maru's copies (median per prompt, from the connector's counters) are compared
+with plain memcpy measured just before each maru engine (one thread, as the CPU
+worker's copies run, rotating through buffers larger than the KV caches, so DRAM
+and not the CPU cache). Printed as ratios measured in the same run.
+`python benchmarks/e2e_vllm.py --help`.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -42,11 +44,12 @@ def median_ttft(run) -> float:
     return statistics.median(t for t in run.ttft_s[1:] if t is not None)
 
 
-def after_warm_up(run) -> dict[str, float]:
-    """The connector's counters over the measured prompts (the first one, the engine's
-    warm-up, left out as for time to first token)."""
-    first, last = run.extra["connector_totals_after_prompt"][0], run.extra["connector_totals"]
-    return {name: last[name] - first.get(name, 0) for name in last}
+def median_gb_s(run, moved: str, seconds: str) -> float:
+    """Median over the measured prompts (the first one, the engine's warm-up, left out as
+    for time to first token) of the connector's bytes moved per second in that prompt."""
+    totals = run.extra["connector_totals_after_prompt"]
+    return statistics.median((after[moved] - before[moved]) / (after[seconds] - before[seconds])
+                             for before, after in itertools.pairwise(totals)) / 1e9
 
 
 def memcpy_gb_s(copy_bytes: int, span_bytes: int = 3 << 30, repeats: int = 3) -> float:
@@ -89,8 +92,6 @@ def main() -> int:
     length = max(1, (args.prompt_tokens - 1) // chunk) * chunk + 1
     prompts = [rng.integers(1, MODEL["vocab"], length).tolist() for _ in range(args.prompts + 1)]
     chunk_bytes = chunk * MODEL["layers"] * 2 * MODEL["kv_heads"] * MODEL["head_dim"] * 2
-    progress(f"memcpy baseline ({chunk_bytes} byte copies through 3 GiB) ...")
-    memcpy = memcpy_gb_s(chunk_bytes)
     log = model_cache().parent / "bench-engines.log"
     progress(f"engine logs: {log}")
     runs = {}
@@ -100,7 +101,11 @@ def main() -> int:
         plan = [("none", None), ("own_hit", None), ("maru_store", connector_config(maru_config)),
                 ("maru_hit", connector_config(maru_config)), ("example_store", example),
                 ("example_hit", example), ("none_again", None)]
+        memcpy = []
         for name, transfer in plan:
+            if name in ("maru_store", "maru_hit"):  # the baseline, measured beside maru's copies
+                progress(f"memcpy baseline ({chunk_bytes} byte copies through 3 GiB) ...")
+                memcpy.append(memcpy_gb_s(chunk_bytes))
             progress(f"engine {name} ...")
             twice = name == "own_hit"
             run = run_engine(model, [p for p in prompts for _ in range(1 + twice)],
@@ -114,12 +119,13 @@ def main() -> int:
         store.destroy()
 
     ttft = {name: median_ttft(run) for name, run in runs.items()}
-    stored = after_warm_up(runs["maru_store"])
-    loaded = after_warm_up(runs["maru_hit"])
-    load_gb_s = loaded["loaded_bytes"] / loaded["load_seconds"] / 1e9
-    save_gb_s = stored["saved_bytes"] / stored["save_seconds"] / 1e9
-    bytes_per_hit = loaded["loaded_bytes"] / loaded["loads"] * (length // chunk)
+    stored = runs["maru_store"].extra["connector_totals_after_prompt"]
+    load_gb_s = median_gb_s(runs["maru_hit"], "loaded_bytes", "load_seconds")
+    save_gb_s = median_gb_s(runs["maru_store"], "saved_bytes", "save_seconds")
     warm_up = runs["maru_hit"].extra["connector_totals_after_prompt"][0]
+    bytes_per_hit = warm_up["loaded_bytes"]
+    save_seconds = (stored[-1]["save_seconds"] - stored[0]["save_seconds"]) / args.prompts
+    memcpy = statistics.mean(memcpy)
     extra_s = ttft["maru_hit"] - ttft["own_hit"]
     report = {
         "memcpy_gb_s": memcpy,
@@ -130,8 +136,8 @@ def main() -> int:
         if extra_s > 0 else float("inf"),
         "own_hit_tokens": [length - (c or 0) for c in runs["own_hit"].num_cached_tokens[1:]],
         "noise_between_identical_runs": ttft["none_again"] / ttft["none"] - 1,
-        "maru_save_seconds_per_prompt": stored["save_seconds"] / args.prompts,
-        "maru_save_share_of_prefill": stored["save_seconds"] / args.prompts / ttft["none"],
+        "maru_save_seconds_per_prompt": save_seconds,
+        "maru_save_share_of_prefill": save_seconds / ttft["none"],
         "maru_warm_up_load_s": warm_up["load_seconds"],
         "prompt_tokens": args.prompt_tokens, "prompts": args.prompts, "model": MODEL,
         "ttft_median_s": ttft,
@@ -152,7 +158,8 @@ def main() -> int:
     for name, seconds in ttft.items():
         print(f"  {name:<14} {seconds * 1e3:9.1f} ms")
     print(f"maru hit / cold prefill:     {report['maru_hit_over_cold']:.3f}")
-    print(f"memcpy (1 thread, DRAM):     {memcpy:.1f} GB/s")
+    print(f"memcpy (1 thread, DRAM):     {memcpy:.1f} GB/s (mean of the runs before the maru "
+          f"engines)")
     print(f"maru load in the engine:     {load_gb_s:.1f} GB/s = "
           f"{report['maru_load_over_memcpy']:.2f}x memcpy (the warm-up prompt's: "
           f"{warm_up['load_seconds'] * 1e3:.0f} ms, left out)")
