@@ -332,9 +332,9 @@ def test_requests_without_saves_are_not_reported(tiny_model, pool) -> None:
     assert writer.get_finished({"r"}) == (None, None), "reported once"
 
 
-def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model) -> None:
-    name = unique_name("recycled")
-    shm = {"backend": "shm", "capacity": "8MiB", "shm": {"name": name}}
+def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model,
+                                                                  pool_names) -> None:
+    shm = {"backend": "shm", "capacity": "8MiB", "shm": {"name": pool_names()}}
     source, target = kv_caches(1), kv_caches(None)
     run_step(worker(tiny_model, "unused", source, settings=shm),
              MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7]),
@@ -353,7 +353,6 @@ def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model) -
     assert failed == {20, 21}, "exactly the recycled chunk's blocks are recomputed"
     assert same_blocks(source, [3, 7], target, [11, 12])
     assert reader.get_kv_connector_stats().data["loads"] == 1
-    store.destroy()
 
 
 def test_a_cache_on_an_unsupported_device_disables_the_worker_once(tiny_model, pool,
