@@ -48,6 +48,7 @@ from maru.errors import (
     PluginError,
 )
 from maru.layouts import LayoutError, kv_tensor, recognise
+from maru.model_identity import model_identity
 from maru.plugins import get_plugin_manager
 from maru.transfer import (
     Blocks,
@@ -272,6 +273,9 @@ class MaruScheduler:
         self._config = config
         self._layout = "unknown"
         self._prefix: bytes | None = None
+        model = vllm_config.model_config
+        self.model_identity = model_identity(model.model, model.revision)
+        log.info("maru: model %s is %s in the key namespace", model.model, self.model_identity)
         warn_if_hash_seed_is_per_process(vllm_config)
         self.store.available()  # at start-up: a new pool is set up here, not in a request
 
@@ -287,7 +291,8 @@ class MaruScheduler:
     def key_prefix(self) -> bytes:
         """`maru/<namespace>/<digest>/`: the digest covers everything that changes the bytes."""
         if self._prefix is None:
-            parts = namespace_parts(self._vllm_config, self._config, self._layout)
+            parts = namespace_parts(self._vllm_config, self._config, self._layout,
+                                    self.model_identity)
             digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
             self._prefix = f"maru/{self._config.namespace}/{digest[:32]}/".encode()
         return self._prefix
@@ -402,15 +407,17 @@ class MaruScheduler:
         return state is not None and state.saving
 
 
-def namespace_parts(vllm_config: VllmConfig, config: MaruConfig, layout: str) -> dict[str, Any]:
-    """Everything besides the token hashes that changes the bytes of a chunk."""
+def namespace_parts(vllm_config: VllmConfig, config: MaruConfig, layout: str,
+                    model_id: str) -> dict[str, Any]:
+    """Everything besides the token hashes that changes the bytes of a chunk; the model
+    by what identifies its weights (`maru.model_identity`), not by its path."""
     from vllm import __version__ as vllm_version
 
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     algorithm = getattr(cache, "prefix_caching_hash_algo", "unknown")
     return {
-        "model": model.model, "revision": model.revision, "dtype": str(model.dtype),
+        "model": model_id, "dtype": str(model.dtype),
         "kv_dtype": str(cache.cache_dtype), "layout": layout, "block_size": cache.block_size,
         "chunk_tokens": config.chunk_tokens,
         "tp_size": vllm_config.parallel_config.tensor_parallel_size,

@@ -6,6 +6,8 @@ connector: maru may only change how much is computed, never a token.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -139,3 +141,17 @@ def test_chunks_an_engine_holds_are_saved_again_once_the_store_lost_them(tiny_mo
     engine_b = run_engine(tiny_model, [prompt], kv_transfer_config=config)
     assert engine_b.external_cached_tokens == [4 * CHUNK]
     assert engine_b.token_ids == engine_a.token_ids[2:]
+
+
+def test_the_weights_not_the_path_decide_what_is_shared(tiny_model, baseline, tmp_path,
+                                                        shm_pool):
+    config = maru_config("shm", shm={"name": shm_pool})
+    run_engine(tiny_model, PROMPTS_A[:1], kv_transfer_config=config)
+    copy = tmp_path / "copy-of-tiny-llama"
+    shutil.copytree(tiny_model, copy)
+    same_weights = run_engine(copy, PROMPTS_B[:1], kv_transfer_config=config)
+    assert same_weights.external_cached_tokens == [SHARED], "the same weights at another path"
+    assert same_weights.token_ids == baseline["B"][:1]
+    build_tiny_llama(copy, seed=1)  # other weights in place: same path, file names and sizes
+    other_weights = run_engine(copy, PROMPTS_B[:1], kv_transfer_config=config)
+    assert other_weights.external_cached_tokens == [0], "never KV of the weights replaced"
