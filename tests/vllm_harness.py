@@ -57,6 +57,15 @@ def make_kv_cache_config(num_blocks: int) -> Any:
                          kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
 
 
+def request_parameters() -> set[str]:
+    """The parameters of this vLLM's Request (0.16 requires `eos_token_id`; 0.32 has none)."""
+    import inspect
+
+    from vllm.v1.request import Request
+
+    return set(inspect.signature(Request).parameters)
+
+
 class SchedulerHarness:
     """One vLLM scheduler with the maru connector over an in-process mock store."""
 
@@ -89,8 +98,9 @@ class SchedulerHarness:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
+        extra = {"eos_token_id": 2} if "eos_token_id" in request_parameters() else {}
         request = Request(req_id, tokens, SamplingParams(max_tokens=max_tokens), None,
-                          cache_salt=cache_salt, block_hasher=self._hasher)
+                          cache_salt=cache_salt, block_hasher=self._hasher, **extra)
         self.scheduler.add_request(request)
         return request
 
@@ -133,6 +143,8 @@ class SchedulerHarness:
         """Preempt a running request, as vLLM does when it runs out of blocks."""
         request = self.scheduler.requests[req_id]
         self.scheduler.running.remove(request)
+        # vLLM <= 0.23 asserts that a request it preempts was not scheduled the step before
+        getattr(self.scheduler, "prev_step_scheduled_req_ids", set()).discard(req_id)
         self.scheduler._preempt_request(request, time.monotonic())
 
     def block_ids(self, req_id: str) -> list[int]:
