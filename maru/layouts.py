@@ -174,11 +174,28 @@ class KVFirst(LayoutAdapter):
         return 1 if tensor.dim() >= 3 and tensor.shape[:2] == (2, num_blocks) else None
 
 
+def cpu_page_packing() -> str:
+    """What decides how vLLM's CPU attention packs bytes inside a page (AMX, AVX-512,
+    NEON, ... kernels each have their own order): the machine and its matrix and vector
+    units. Pages written by one packing are garbage to another."""
+    import platform
+
+    import torch
+
+    units = [name for name, probe in (("amx", "_is_amx_tile_supported"),
+                                      ("avx512", "_is_avx512_supported"))
+             if getattr(torch.cpu, probe, lambda: False)()]
+    return "+".join([platform.machine(), *units])
+
+
 def fingerprint(adapter_name: str, tensors: Mapping[str, Any],
                 cuts: Mapping[str, LayerCut]) -> str:
-    """What makes two caches' pages interchangeable: adapter, dtype, shapes, and the
-    order of the bytes in a page (not where pages sit, nor how many blocks there are)."""
-    described = []
+    """What makes two caches' pages interchangeable: adapter, dtype, shapes, the order
+    of the bytes in a page (not where pages sit, nor how many blocks there are), and on
+    the CPU how its attention kernels pack them."""
+    described: list[Any] = []
+    if next(iter(tensors.values())).device.type == "cpu":
+        described.append(cpu_page_packing())
     for name, tensor in tensors.items():
         shape = [size for dim, size in enumerate(tensor.shape) if dim != cuts[name].block_dim]
         described.append([str(tensor.dtype), shape, cuts[name].byte_order,

@@ -239,3 +239,14 @@ def test_pages_move_between_layer_outer_and_block_outer_caches() -> None:
     for i, view in enumerate(source.values()):
         filled(view, seed=i)
     round_trip(source, vllm_allocation(KVCacheLayout.BHLNC))
+
+
+def test_cpu_pages_packed_for_other_kernels_are_not_interchangeable(monkeypatch) -> None:
+    cache = {"l": torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16)}
+    here = recognise(cache, NB, BUILTINS).fingerprint
+    on_meta = recognise({"l": cache["l"].to("meta")}, NB, BUILTINS).fingerprint
+    amx = not torch.cpu._is_amx_tile_supported()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert recognise(cache, NB, BUILTINS).fingerprint != here, "vLLM packs AMX pages otherwise"
+    assert recognise({"l": cache["l"].to("meta")}, NB, BUILTINS).fingerprint == on_meta, \
+        "a device cache's pages do not depend on the host's CPU"
