@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from maru.errors import MaruError
 from maru.layouts import LayoutAdapter
 
 log = logging.getLogger("maru.transfer")
@@ -37,7 +38,7 @@ SUPPORTED_DEVICES = ("cpu", "cuda")
 WIDTHS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 
 
-class UnsupportedDeviceError(ValueError):
+class UnsupportedDeviceError(MaruError):
     """The KV cache lives on a device the data path cannot copy from."""
 
 
