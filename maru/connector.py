@@ -466,7 +466,6 @@ class PendingLoad:
     copy: ChunkCopy
     still_valid: Callable[[], bool]
     """Were the bytes copied from the committed object? (Checked once copies are done.)"""
-    size: int
 
 
 @dataclass
@@ -591,7 +590,7 @@ class MaruWorker:
             still_valid = _always
         copy = ChunkCopy(Blocks(transfer.block_ids), payload, self.blocks_per_chunk,
                          transfer.first_block)
-        return PendingLoad(transfer, copy, still_valid, expected)
+        return PendingLoad(transfer, copy, still_valid)
 
     def _trusted(self, key: bytes, data: memoryview) -> bool:
         """The object is this key's, in this layout, and whole."""
@@ -610,9 +609,10 @@ class MaruWorker:
 
     def _finish_loads(self) -> None:
         self.engine.loads_done().wait()
+        size = self.object_bytes(self.blocks_per_chunk)
         for pending in self.loading:
             if pending.still_valid():
-                self.stats.add(loads=1, loaded_bytes=pending.size)
+                self.stats.add(loads=1, loaded_bytes=size)
             else:
                 self._load_failed(pending.transfer)
         self.loading = []

@@ -258,22 +258,29 @@ class Pool:
             return None
         return out
 
+    def _find_committed(self, key: bytes) -> tuple[int, int, int, int, int] | None:
+        """(entry, data start, size, generation, stored checksum) of the committed object,
+        marked used; None, counted as a miss, if there is none (caller holds the lock)."""
+        t = self.tables
+        entry = self.index.find(key, key_hash(key))
+        if entry == NONE or t.state[entry] != COMMITTED:
+            t.add(MISSES, 1)
+            return None
+        t.hot[entry] = 1
+        start = int(t.offset[entry] + t.key_len[entry])
+        return entry, start, int(t.length[entry]), int(t.gen[entry]), int(t.check[entry])
+
     def _copy(
         self, key: bytes, out_for: Callable[[int], memoryview]
     ) -> tuple[memoryview, int, int, int] | None:
         """(filled view, entry, generation, stored checksum) of a committed object, or
         None on a miss; counts the hit or the miss."""
-        hashed = key_hash(key)
         t = self.tables
         with self.locked():
-            entry = self.index.find(key, hashed)
-            if entry == NONE or t.state[entry] != COMMITTED:
-                t.add(MISSES, 1)
+            found = self._find_committed(key)
+            if found is None:
                 return None
-            t.hot[entry] = 1
-            start = int(t.offset[entry] + t.key_len[entry])
-            size, generation = int(t.length[entry]), int(t.gen[entry])
-            check = int(t.check[entry])
+            entry, start, size, generation, check = found
             out = out_for(size)[:size]
             if size <= SMALL_COPY:
                 out[:] = t.data_view[start : start + size]
@@ -293,14 +300,11 @@ class Pool:
         with `verify`, if its bytes do not match its checksum (it is then removed)."""
         t = self.tables
         with self.locked():
-            entry = self.index.find(key, key_hash(key))
-            if entry == NONE or t.state[entry] != COMMITTED:
-                t.add(MISSES, 1)
+            found = self._find_committed(key)
+            if found is None:
                 return None
-            t.hot[entry] = 1
+            entry, start, size, generation, check = found
             t.add(HITS, 1)
-            start = int(t.offset[entry] + t.key_len[entry])
-            size, generation, check = int(t.length[entry]), int(t.gen[entry]), int(t.check[entry])
         data = t.data_view[start : start + size].toreadonly()
 
         def valid() -> bool:
