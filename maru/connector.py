@@ -288,11 +288,15 @@ class MaruScheduler:
         self._layout = ",".join(sorted(fingerprints))
         self._prefix = None
 
+    def namespace(self) -> dict[str, Any]:
+        """What the key digest covers (see `namespace_parts`)."""
+        return namespace_parts(self._vllm_config, self._config, self._layout,
+                               self.model_identity)
+
     def key_prefix(self) -> bytes:
         """`maru/<namespace>/<digest>/`: the digest covers everything that changes the bytes."""
         if self._prefix is None:
-            parts = namespace_parts(self._vllm_config, self._config, self._layout,
-                                    self.model_identity)
+            parts = self.namespace()
             digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
             self._prefix = f"maru/{self._config.namespace}/{digest[:32]}/".encode()
         return self._prefix
@@ -410,9 +414,11 @@ class MaruScheduler:
 def namespace_parts(vllm_config: VllmConfig, config: MaruConfig, layout: str,
                     model_id: str) -> dict[str, Any]:
     """Everything besides the token hashes that changes the bytes of a chunk; the model
-    by what identifies its weights (`maru.model_identity`), not by its path."""
-    from vllm import __version__ as vllm_version
+    by what identifies its weights (`maru.model_identity`), not by its path.
 
+    Not the vLLM release: releases whose hashes and pages agree share. A release that
+    hashes blocks differently makes other keys (and its seed, NONE_HASH, is here); one
+    that lays pages out differently has another layout fingerprint."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     algorithm = getattr(cache, "prefix_caching_hash_algo", "unknown")
@@ -422,7 +428,6 @@ def namespace_parts(vllm_config: VllmConfig, config: MaruConfig, layout: str,
         "chunk_tokens": config.chunk_tokens,
         "tp_size": vllm_config.parallel_config.tensor_parallel_size,
         "hash_algorithm": algorithm, "hash_seed": none_hash_hex(),
-        "vllm": ".".join(vllm_version.split(".")[:2]),
     }
 
 
@@ -849,6 +854,16 @@ class MaruKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> MaruConnectorStats | None:
         half = self._worker or self._scheduler
         return half.stats.take()
+
+    def describe(self) -> dict[str, Any]:
+        """What this half decided at start-up: the layout adapter a worker picked, the key
+        namespace the scheduler uses (for logs, tests and `maru doctor`-style reports)."""
+        if self._worker is not None:
+            engine = self._worker.engine
+            return {"layout_adapter": engine.adapter.name if engine else None,
+                    "layout_fingerprint": self._worker.fingerprint}
+        assert self._scheduler is not None
+        return {"namespace": self._scheduler.namespace()}
 
     def lifetime_stats(self) -> dict[str, Any]:
         """This half's counters since start-up (lookups here, loads and saves in workers)."""

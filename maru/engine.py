@@ -24,6 +24,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -175,6 +176,22 @@ def run_engine(model_dir: str | os.PathLike[str], prompts: list[list[int]],
     """Run `prompts` through a fresh vLLM engine in its own process and return the result
     (`options` as for `start_engine`)."""
     return start_engine(model_dir, prompts, **options).result()
+
+
+def run_engine_in(python: str | os.PathLike[str], model_dir: str | os.PathLike[str],
+                  prompts: list[list[int]], **options: Any) -> EngineRun:
+    """`run_engine` under another interpreter, e.g. a virtual environment with another vLLM
+    release (`tools/vllm_era.py`): it runs `python -m maru.engine JOB RESULT`."""
+    with tempfile.TemporaryDirectory(prefix="maru-engine-") as folder:
+        job, result = Path(folder) / "job.json", Path(folder) / "result.json"
+        job.write_text(json.dumps({"model_dir": str(model_dir), "prompts": prompts,
+                                   "options": options}))
+        finished = subprocess.run([str(python), "-m", "maru.engine", str(job), str(result)],
+                                  capture_output=True, text=True, check=False)
+        if finished.returncode != 0 or not result.exists():
+            raise EngineRunError(f"{python} -m maru.engine failed "
+                                 f"(exit {finished.returncode}):\n{finished.stderr[-6000:]}")
+        return EngineRun(**json.loads(result.read_text()))
 
 
 def start_engine(
@@ -431,6 +448,8 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     if has_connector:
         kv_connector = job["kv_transfer_config"].get("kv_connector")
         extra["connector_totals"] = _connector_totals(llm)
+        extra["connector"] = _connector_description(llm)
+        extra["kv_cache_container"] = _kv_cache_container(llm)
         extra["connector_totals_after_prompt"] = totals_after
 
     run = EngineRun(
@@ -448,18 +467,38 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     return asdict(run)
 
 
-def _connector_totals(llm: Any) -> dict[str, float]:
-    """Lifetime counters of both connector halves, if the connector keeps them (maru's do).
+def _connector_halves(llm: Any) -> list[Any]:
+    """The scheduler's connector and this process's worker connector, if there is one.
 
-    The engine core and the worker are in this process (no V1 multiprocessing), so the
-    scheduler's connector and the worker's are reachable here."""
+    The engine core and the worker are in this process (no V1 multiprocessing), so
+    both are reachable here."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     halves = [llm.llm_engine.engine_core.engine_core.scheduler.connector]
     if has_kv_transfer_group():
         halves.append(get_kv_transfer_group())
+    return halves
+
+
+def _connector_description(llm: Any) -> dict[str, Any]:
+    """What both connector halves say of their start-up decisions (maru's `describe`)."""
+    described: dict[str, Any] = {}
+    for half in _connector_halves(llm):
+        described.update(getattr(half, "describe", dict)())
+    return described
+
+
+def _kv_cache_container(llm: Any) -> str:
+    """The type of an attention layer's `kv_cache`: a list indexed by virtual engine
+    (vLLM <= 0.18) or the tensor itself."""
+    layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    return type(next(iter(layers.values())).kv_cache).__name__
+
+
+def _connector_totals(llm: Any) -> dict[str, float]:
+    """Lifetime counters of both connector halves, if the connector keeps them (maru's do)."""
     totals: dict[str, float] = {}
-    for half in halves:
+    for half in _connector_halves(llm):
         for name, value in getattr(half, "lifetime_stats", dict)().items():
             totals[name] = totals.get(name, 0) + value
     return totals
@@ -472,3 +511,19 @@ def _prefix_metrics(llm: Any) -> dict[str, float]:
         if metric.name in PREFIX_CACHE_METRICS:
             totals[metric.name] = totals.get(metric.name, 0.0) + float(metric.value)
     return totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m maru.engine JOB RESULT`: run the JSON job (model_dir, prompts, options of
+    `run_engine`) and write the `EngineRun` as JSON (see `run_engine_in`)."""
+    from maru import engine  # the importable module, not __main__: spawn pickles by name
+
+    job_path, result_path = argv if argv is not None else sys.argv[1:]
+    job = json.loads(Path(job_path).read_text())
+    run = engine.run_engine(job["model_dir"], job["prompts"], **job["options"])
+    Path(result_path).write_text(json.dumps(asdict(run)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

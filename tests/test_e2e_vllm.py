@@ -67,6 +67,35 @@ def test_a_second_engine_loads_the_shared_prefix_from_shm(tiny_model, baseline, 
         "saved twice")
 
 
+HASH_SEED = {"PYTHONHASHSEED": "0"}
+"""Before vLLM 0.29 block hashes are seeded per process unless PYTHONHASHSEED is set:
+engines of those releases share nothing without it (later ones ignore it for sha256)."""
+
+
+def handed_over(vllm_version: str) -> tuple[str, str]:
+    """What a vLLM release hands the connector: an attention layer's `kv_cache` (a list
+    indexed by virtual engine up to 0.18) and the adapter its CPU cache needs (K/V first
+    up to 0.22, blocks first from 0.23)."""
+    release = tuple(int(part) for part in vllm_version.split("+")[0].split(".")[:2])
+    container = "list" if release <= (0, 18) else "Tensor"
+    return container, "kv-first" if release <= (0, 22) else "blocks-first"
+
+
+def test_store_hits_give_the_tokens_of_the_engines_own_prefix_cache_hits(tiny_model, baseline,
+                                                                         shm_pool):
+    """The era check (`make test` runs it on every vLLM release of the matrix): the second
+    engine's prefix comes from the store, its tokens are those it gets when vLLM's own
+    prefix cache holds that prefix, through the adapter this release needs."""
+    config = maru_config("shm", shm={"name": shm_pool})
+    run_engine(tiny_model, PROMPTS_A, kv_transfer_config=config, env=HASH_SEED)
+    engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config, env=HASH_SEED)
+    assert engine_b.external_cached_tokens == [SHARED, 0, 0]
+    assert engine_b.token_ids == baseline["A+B"][len(PROMPTS_A):]
+    extra = engine_b.extra
+    assert (extra["kv_cache_container"], extra["connector"]["layout_adapter"]) == \
+        handed_over(extra["vllm_version"])
+
+
 def test_the_mock_backend_shares_within_one_engine(tiny_model, baseline):
     config = maru_config("mock", mock={"name": unique_name()})
     run = run_engine(tiny_model, PROMPTS_A + PROMPTS_B, kv_transfer_config=config,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -108,7 +111,7 @@ def test_rows_are_recognised_by_the_expected_adapter(row: str) -> None:
     assert parts == (2 if adapter.name == "kv-first" else 1)
 
 
-def vllm_allocation(layout, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+def shared_buffer_allocation(layout, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """KV caches exactly as vLLM >= 0.29 allocates them: views into one int8 buffer."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -129,39 +132,90 @@ def vllm_allocation(layout, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
                            block_stride=block_stride)
     config = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[tensor],
                            kv_cache_groups=[KVCacheGroupSpec(names, spec)])
-    return allocate_kv_cache(config, torch.device("cpu"), layout)
+    views = allocate_kv_cache(config, torch.device("cpu"), layout)
+    assert len({v.untyped_storage().data_ptr() for v in views.values()}) == 1
+    return views
 
 
-def all_layouts():
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+def per_layer_allocation(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """KV caches as vLLM < 0.29 allocates them on the CPU: a tensor per layer, shaped by
+    the CPU attention backend ((2, NB, H, BS, D) up to 0.22, blocks first from 0.23)."""
+    from vllm.v1.attention.backends import cpu_attn
 
-    return list(KVCacheLayout)
-
-
-@pytest.mark.parametrize("layout", all_layouts(), ids=lambda layout: layout.name)
-def test_vllm_own_allocation_round_trips_in_every_layout(layout) -> None:
-    source, target = vllm_allocation(layout), vllm_allocation(layout)
-    views = list(source.values())
-    assert len({v.untyped_storage().data_ptr() for v in views}) == 1, "one shared buffer"
-    assert any(v.storage_offset() for v in views), "layers sit at non-zero offsets"
-    for i, view in enumerate(source.values()):
-        filled(view, seed=i)
-    for i, view in enumerate(target.values()):
-        filled(view, seed=50 + i)
-    round_trip(source, target)
+    backend = next(c for c in vars(cpu_attn).values()
+                   if isinstance(c, type) and c.__module__ == cpu_attn.__name__
+                   and "get_kv_cache_shape" in vars(c))
+    shape = backend.get_kv_cache_shape(NB, BS, H, D)
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=dtype)
+            for i in range(LAYERS)}
 
 
-def test_fingerprints_match_exactly_when_pages_are_interchangeable() -> None:
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+def vllm_allocations() -> dict[str, Callable[[torch.dtype], dict[str, torch.Tensor]]]:
+    """The KV caches the installed vLLM allocates, by name: every KVCacheLayout from 0.29
+    (views into one shared buffer), else the CPU backend's tensor per layer."""
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:
+        return {"per-layer": per_layer_allocation}
+    return {layout.name: functools.partial(shared_buffer_allocation, layout)
+            for layout in KVCacheLayout}
 
-    prints = {layout.name: recognise(vllm_allocation(layout), NB, BUILTINS).fingerprint
-              for layout in KVCacheLayout}
-    # Where pages sit (layer- or block-outermost) does not change a page's bytes ...
-    assert prints["LBHNC"] == prints["BLHNC"]
-    assert prints["LBNHC"] == prints["BLNHC"]
-    assert prints["LHBNC"] == prints["BHLNC"]
-    # ... the order of the bytes inside a page does.
-    assert len({prints["LBHNC"], prints["LBNHC"], prints["LHBNC"]}) == 3
+
+VLLM_ALLOCATIONS = vllm_allocations()
+
+
+def allocate(kind: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """The installed vLLM's allocation `kind`, every layer filled with random bytes."""
+    return {name: filled(view, seed + i)
+            for i, (name, view) in enumerate(VLLM_ALLOCATIONS[kind](dtype).items())}
+
+
+def page_in_memory_order(tensor: torch.Tensor, block: int) -> list[float]:
+    """A block's elements in the order of their addresses, where every element holds its
+    logical index within the block: equal lists mean interchangeable pages."""
+    dim = block_dim_of(tensor)
+    page = tensor.select(dim, block)
+    addresses = torch.zeros(page.shape, dtype=torch.int64)
+    for axis, (size, stride) in enumerate(zip(page.shape, page.stride(), strict=True)):
+        shape = [1] * page.dim()
+        shape[axis] = size
+        addresses = addresses + torch.arange(size).view(shape) * stride
+    logical = torch.arange(page.numel(), dtype=torch.float32).view(page.shape)
+    return logical.flatten()[addresses.flatten().argsort()].tolist()
+
+
+@pytest.mark.parametrize("source_kind", VLLM_ALLOCATIONS)
+def test_pages_move_between_every_pair_of_vllm_allocations_alike(source_kind: str) -> None:
+    """Pages move between any two of the installed vLLM's allocations with one fingerprint
+    (e.g. layer- and block-outermost views of one page order), layers at any offset."""
+    source = allocate(source_kind)
+    fingerprint = recognise(source, NB, BUILTINS).fingerprint
+    alike = [kind for kind in VLLM_ALLOCATIONS
+             if recognise(allocate(kind), NB, BUILTINS).fingerprint == fingerprint]
+    assert source_kind in alike
+    for kind in alike:
+        round_trip(source, allocate(kind, seed=50))
+
+
+LAYER_AND_BLOCK_OUTERMOST = (("LBHNC", "BLHNC"), ("LBNHC", "BLNHC"), ("LHBNC", "BHLNC"))
+"""vLLM >= 0.29 layouts that differ only in whether layers or blocks are outermost."""
+
+
+def test_one_fingerprint_means_interchangeable_pages() -> None:
+    """Two of the installed vLLM's allocations share a fingerprint only if their pages hold
+    the same bytes in the same order; where pages sit (layer- or block-outermost) does not
+    matter, nor how many blocks there are; the dtype does."""
+    pages, prints = {}, {}
+    for kind, allocation in VLLM_ALLOCATIONS.items():
+        tensor = next(iter(allocation(torch.float32).values()))
+        pages[kind] = page_in_memory_order(tensor, 3)
+        prints[kind] = recognise(allocation(torch.float32), NB, BUILTINS).fingerprint
+    for a in VLLM_ALLOCATIONS:
+        for b in VLLM_ALLOCATIONS:
+            assert prints[a] != prints[b] or pages[a] == pages[b], (a, b)
+    for a, b in LAYER_AND_BLOCK_OUTERMOST:
+        assert (a in prints) == (b in prints)
+        assert prints.get(a) == prints.get(b), (a, b)
     assert recognise({"l": torch.zeros(NB, H, BS, 2 * D)}, NB, BUILTINS).fingerprint != \
         recognise({"l": torch.zeros(NB, H, BS, 2 * D, dtype=torch.float16)}, NB,
                   BUILTINS).fingerprint
@@ -230,15 +284,6 @@ def test_the_builtin_adapters_are_registered_through_the_hook() -> None:
     adapters = get_plugin_manager().layout_adapters
     assert adapters["kv-first"].cls is KVFirst
     assert adapters["blocks-first"].plugin.distribution == "maru"
-
-
-def test_pages_move_between_layer_outer_and_block_outer_caches() -> None:
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    source = vllm_allocation(KVCacheLayout.LHBNC)
-    for i, view in enumerate(source.values()):
-        filled(view, seed=i)
-    round_trip(source, vllm_allocation(KVCacheLayout.BHLNC))
 
 
 def test_cpu_pages_packed_for_other_kernels_are_not_interchangeable(monkeypatch) -> None:

@@ -88,7 +88,8 @@ class SchedulerHarness:
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.connector = self.scheduler.connector
-        self.stats: dict[str, float] = {}
+        self.forwarded: dict[str, float] = {}
+        """Connector stats vLLM handed on in its scheduler stats."""
         self.blocks: dict[str, list[int]] = {}
         self.saving: set[str] = set()
         self.store = maru.open_store(backend="mock", mock={"name": pool})
@@ -133,8 +134,16 @@ class SchedulerHarness:
         for outputs in engine_outputs.values():
             reported = outputs.scheduler_stats and outputs.scheduler_stats.kv_connector_stats
             for name, value in (reported or {}).items():
-                self.stats[name] = self.stats.get(name, 0) + value
+                self.forwarded[name] = self.forwarded.get(name, 0) + value
         return output, meta
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """What vLLM handed on, plus what the scheduler half holds for its next report
+        (vLLM <= 0.23 forwards it only together with a worker's stats)."""
+        pending = self.connector._scheduler.stats.data
+        return {name: self.forwarded.get(name, 0) + pending.get(name, 0)
+                for name in {*self.forwarded, *pending}}
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()

