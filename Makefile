@@ -5,7 +5,18 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.maru-installed
 
-.PHONY: check test demo bench bench-gpu lint venv clean redis-server
+# The vLLM release matrix (tools/vllm_era.py builds .venv-vllm-<release> for each):
+# real engines of the list era and of the per-layer blocks-first era, a neighbour of
+# .venv's 0.32 that shares its caches, and the newest release's scheduler (CUDA wheel).
+ERA_ENGINES    := 0.18.1 0.28.0
+ERA_NEIGHBOURS := 0.31.0
+ERA_SCHEDULERS := 0.33.0
+ERA_STAMPS     := $(foreach r,$(ERA_ENGINES) $(ERA_NEIGHBOURS) $(ERA_SCHEDULERS),.venv-vllm-$(r)/.maru-era)
+# What each release runs: the vLLM-dependent tests, and on engines the era check.
+ERA_TESTS      := tests/test_layouts.py tests/test_connector_scheduler.py tests/test_connector_worker.py
+ERA_ENGINE_TEST := tests/test_e2e_vllm.py::test_store_hits_give_the_tokens_of_the_engines_own_prefix_cache_hits
+
+.PHONY: check test test-eras eras demo bench bench-gpu lint venv clean redis-server tcmalloc
 
 venv: $(STAMP)
 
@@ -26,29 +37,55 @@ $(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.to
 lint: $(STAMP)
 	$(BIN)/ruff check maru tests examples tools
 
+# $(call debian_package,CHECK,PACKAGE): install PACKAGE unless CHECK succeeds (as root),
+# or say how to.
+define debian_package
+	@$(1) >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing $(2) (Debian package) ..."; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2); \
+	  else \
+	    echo "$(2) is missing: run 'sudo apt-get install -y $(2)'"; exit 1; \
+	  fi; }
+endef
+
 # The Redis tests start their own redis-server processes on loopback ports.
 redis-server:
-	@command -v redis-server >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "installing redis-server (Debian package) ..."; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
-	  else \
-	    echo "redis-server is missing: run 'sudo apt-get install -y redis-server'"; exit 1; \
-	  fi; }
+	$(call debian_package,command -v redis-server,redis-server)
+
+# vLLM 0.18 to 0.22 start a CPU worker only with tcmalloc preloaded.
+tcmalloc:
+	$(call debian_package,ldconfig -p | grep -q libtcmalloc_minimal.so.4,libtcmalloc-minimal4)
+
+eras: $(ERA_STAMPS)
+
+.venv-vllm-%/.maru-era: $(STAMP) tools/vllm_era.py tools/bootstrap.py | tcmalloc
+	$(BIN)/python tools/vllm_era.py $* .venv-vllm-$*
 
 # The quick lane: everything but the tests marked slow (vLLM engines, process churn).
 check: lint redis-server
 	$(BIN)/python -m pytest -m "not slow"
 
-# The whole suite, slow tests included; CI runs this.
-test: lint redis-server
+# The whole suite, slow tests included, then the release matrix; CI runs this.
+test: lint redis-server eras
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory test-eras
+
+test-eras: eras
+	@set -e; for release in $(ERA_ENGINES); do \
+	  echo "== vLLM $$release: vLLM-dependent tests and the era check on real engines"; \
+	  .venv-vllm-$$release/bin/maru-python -m pytest -p no:cacheprovider \
+	    $(ERA_TESTS) $(ERA_ENGINE_TEST); \
+	done; for release in $(ERA_SCHEDULERS); do \
+	  echo "== vLLM $$release: vLLM-dependent tests on the real Scheduler (no engine)"; \
+	  .venv-vllm-$$release/bin/maru-python -m pytest -p no:cacheprovider $(ERA_TESTS); \
+	done
 
 demo: $(STAMP)
 	$(BIN)/maru demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm-* .pytest_cache .ruff_cache
 
 # The redis benchmark measures a private redis-server that tools/with-redis-server
 # starts on a free loopback port and stops afterwards.

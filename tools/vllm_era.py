@@ -15,7 +15,8 @@ Each release gets `.venv-vllm-<release>` with:
 
 The CPU build is picked from the machine's CPU flags (0.16 comes as AVX-512 builds
 only); a machine none fits gets an error naming what is missing. Each release costs
-a few minutes and 1 to 5 GB of disk the first time; the stamp makes reruns free.
+a few minutes and 1 to 7 GB of disk; the Makefile rebuilds one only when its stamp
+(`.maru-era`) is older than this script or the main environment.
 
 Usage: python tools/vllm_era.py RELEASE VENV_DIR [--base BASE_VENV]
 """
@@ -203,17 +204,14 @@ def write_launcher(env: Path, libraries: list[str]) -> Path:
 
 
 def build_era(version: str, env: Path, base: Path) -> None:
-    """Install vLLM `version` into `env` (unless its stamp says it is there) and check it."""
+    """Install vLLM `version` into `env` afresh, check it imports, and stamp it."""
     if version not in RELEASES:
         raise EraError(f"release {version!r} is not one maru knows how to install; "
                        f"known: {', '.join(RELEASES)}")
     release = RELEASES[version]
-    stamp = env / STAMP
-    if stamp.exists() and stamp.read_text() == version:
-        return
     build = pick_build(version, release, cpu_flags())
-    print(f"vllm_era: installing vLLM {version} ({build.package}) into {env}; the first "
-          "time takes a few minutes and 1 to 5 GB of disk", flush=True)
+    print(f"vllm_era: installing vLLM {version} ({build.package}) into {env}; this takes "
+          "a few minutes and 1 to 7 GB of disk", flush=True)
     if release.overlay:
         build_overlay(env.resolve(), version, build, base)
     else:
@@ -223,7 +221,7 @@ def build_era(version: str, env: Path, base: Path) -> None:
     found = subprocess.run([launcher, "-c", check], capture_output=True, text=True, check=False)
     if found.returncode != 0 or found.stdout.split("+")[0] != version:
         raise EraError(f"{env} does not import vLLM {version}:\n{found.stdout}{found.stderr}")
-    stamp.write_text(version)
+    (env / STAMP).write_text(version)
 
 
 def main(argv: list[str] | None = None) -> int:
