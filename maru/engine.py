@@ -488,11 +488,11 @@ def _connector_description(llm: Any) -> dict[str, Any]:
     return described
 
 
-def _kv_cache_container(llm: Any) -> str:
+def _kv_cache_container(llm: Any) -> str | None:
     """The type of an attention layer's `kv_cache`: a list indexed by virtual engine
-    (vLLM <= 0.18) or the tensor itself."""
+    (vLLM <= 0.18) or the tensor itself; None if the layers live in worker processes."""
     layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    return type(next(iter(layers.values())).kv_cache).__name__
+    return type(next(iter(layers.values())).kv_cache).__name__ if layers else None
 
 
 def _connector_totals(llm: Any) -> dict[str, float]:

