@@ -65,6 +65,11 @@ try:
 except ImportError:  # vLLM < 0.11 has no connector stats
     KVConnectorStats = object  # type: ignore[assignment,misc]
 
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # vLLM < 0.32 does not count hits by source
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -111,31 +116,47 @@ class MaruHandshake(KVConnectorHandshakeMetadata):
     layout_fingerprint: str
 
 
-STAT_FIELDS = ("lookups", "lookup_errors", "hit_tokens", "loads", "loaded_bytes",
-               "load_seconds", "load_errors", "saves", "saved_bytes", "save_seconds",
-               "save_errors")
-"""`load_seconds` and `save_seconds` are the time the worker spent in maru's calls
-(issuing copies, and on the CPU making them; waiting for them; committing)."""
+STAT_FIELDS = ("lookups", "lookup_errors", "hit_tokens", "miss_tokens", "loads",
+               "loaded_bytes", "load_seconds", "load_errors", "saves", "saved_bytes",
+               "save_seconds", "save_errors", "skipped_seconds")
+"""Counters. `load_seconds` and `save_seconds` are the time the worker spent in maru's
+calls (issuing copies, and on the CPU making them; waiting for them; committing);
+`miss_tokens` are whole-chunk prompt tokens the store was asked for and lacked;
+`skipped_seconds` is how long errors made a half skip the store (its back-off)."""
+
+LATENCY_FIELDS = ("load_latencies", "save_latencies")
+"""Per chunk, seconds from issuing its copies to its load being done or its object
+committed (for histograms; not in log lines)."""
+
+GAUGE_FIELDS = ("store_capacity", "store_used", "store_objects", "store_evictions")
+"""The store's own figures when the scheduler last reported (latest value wins)."""
 
 
 @dataclass
 class MaruConnectorStats(KVConnectorStats):
-    """Counters since the last report; summed across workers and intervals."""
+    """Counters, latencies and store gauges since the last report; summed (latencies
+    joined, gauges replaced) across workers and intervals."""
 
     data: dict[str, Any] = field(default_factory=dict)
     lifetime: dict[str, Any] = field(default_factory=dict, repr=False)
-    """Everything since start-up (reports reset `data`, not this)."""
+    """The counters since start-up (reports reset `data`, not this)."""
 
     def __post_init__(self) -> None:
         for name in STAT_FIELDS:
             self.data.setdefault(name, 0)
             self.lifetime.setdefault(name, 0)
+        for name in LATENCY_FIELDS:
+            self.data.setdefault(name, [])
 
     def add(self, **counts: float) -> None:
         """Add to counters."""
         for name, value in counts.items():
             self.data[name] += value
             self.lifetime[name] += value
+
+    def observe(self, latency: str, seconds: float) -> None:
+        """Record one chunk's latency."""
+        self.data[latency].append(seconds)
 
     @contextmanager
     def timing(self, counter: str) -> Iterator[None]:
@@ -148,18 +169,24 @@ class MaruConnectorStats(KVConnectorStats):
 
     def reset(self) -> None:
         self.data = dict.fromkeys(STAT_FIELDS, 0)
+        self.data.update({name: [] for name in LATENCY_FIELDS})
 
     def aggregate(self, other: KVConnectorStats) -> MaruConnectorStats:
         for name in STAT_FIELDS:
             self.data[name] += other.data.get(name, 0)
+        for name in LATENCY_FIELDS:
+            self.data[name] = [*self.data[name], *other.data.get(name, ())]
+        for name in GAUGE_FIELDS:
+            if name in other.data:
+                self.data[name] = other.data[name]
         return self
 
     def reduce(self) -> dict[str, int | float]:
         return {name: round(value, 4) if isinstance(value, float) else value
-                for name, value in self.data.items()}
+                for name, value in self.data.items() if name in STAT_FIELDS}
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(self.data.get(name) for name in (*STAT_FIELDS, *LATENCY_FIELDS))
 
     def take(self) -> MaruConnectorStats | None:
         """A copy of the counters, which are then reset; None if nothing happened."""
@@ -176,10 +203,11 @@ class MaruConnectorStats(KVConnectorStats):
 class StoreGuard:
     """Opens the store lazily and keeps it out of the way for a while after errors."""
 
-    def __init__(self, config: MaruConfig, half: str) -> None:
+    def __init__(self, config: MaruConfig, half: str, stats: MaruConnectorStats) -> None:
         self.config = config
         self.half = half
         """Which half ("scheduler" or "worker"), for the logs."""
+        self.stats = stats
         self._store: maru.Backend | None = None
         self._retry_at = 0.0
         self.disabled = False
@@ -205,6 +233,7 @@ class StoreGuard:
         log.warning("maru store error, skipping it for %.0f s: %s: %s",
                     self.config.error_backoff, type(exc).__name__, exc)
         self._retry_at = time.monotonic() + self.config.error_backoff
+        self.stats.add(skipped_seconds=self.config.error_backoff)
 
     def disable(self, reason: str) -> None:
         """Stop using the store until restart, saying why once."""
@@ -266,18 +295,41 @@ class MaruScheduler:
             )
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.store = StoreGuard(config, "scheduler")
         self.stats = MaruConnectorStats()
+        self.store = StoreGuard(config, "scheduler", self.stats)
         self.requests: dict[str, RequestState] = {}
         self._vllm_config = vllm_config
         self._config = config
         self._layout = "unknown"
         self._prefix: bytes | None = None
+        self._gauges: dict[str, int] = {}
+        self._gauges_read_at = -1.0
         model = vllm_config.model_config
         self.model_identity = model_identity(model.model, model.revision)
         log.info("maru: model %s is %s in the key namespace", model.model, self.model_identity)
         warn_if_hash_seed_is_per_process(vllm_config)
         self.store.available()  # at start-up: a new pool is set up here, not in a request
+
+    def report(self) -> MaruConnectorStats | None:
+        """The stats since the last report, with the store's gauges (read at most once a
+        second: a remote store's figures cost a round trip)."""
+        taken = self.stats.take()
+        if taken is None:
+            return None
+        if time.monotonic() - self._gauges_read_at >= 1.0:
+            self._gauges_read_at = time.monotonic()
+            store = self.store.available()
+            try:
+                figures = store.stats() if store is not None else None
+            except Exception as exc:  # gauges are best effort: never fail a step for them
+                log.debug("maru: store stats unavailable: %s", exc)
+                figures = None
+            if figures is not None:
+                self._gauges = dict(zip(GAUGE_FIELDS, (figures.capacity, figures.used,
+                                                       figures.objects, figures.evictions),
+                                        strict=True))
+        taken.data.update(self._gauges)
+        return taken
 
     def set_layout(self, fingerprints: set[str]) -> None:
         """Take the workers' layout fingerprint into the namespace; stop looking up
@@ -327,6 +379,7 @@ class MaruScheduler:
         hit_chunks = local
         while hit_chunks < len(keys) and stored[hit_chunks]:
             hit_chunks += 1
+        self.stats.add(miss_tokens=(len(keys) - hit_chunks) * self.chunk_tokens)
         hit_tokens = min(hit_chunks * self.chunk_tokens, request.num_prompt_tokens - 1)
         return max(0, hit_tokens - num_computed_tokens)
 
@@ -460,6 +513,17 @@ def warn_if_hash_seed_is_per_process(vllm_config: VllmConfig) -> None:
                 algorithm, vllm_version, advice)
 
 
+HOST_MEMORY_BACKENDS = frozenset({"shm", "cxl", "mock"})
+"""Backends whose objects are in this machine's memory: hits from them are `host` hits."""
+
+
+def hit_source(backend: str) -> Any:
+    """Where vLLM should count tokens loaded from `backend`: host memory or elsewhere."""
+    if backend in HOST_MEMORY_BACKENDS:
+        return CacheHitSource.HOST
+    return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
 # --- worker half -------------------------------------------------------------
 
 
@@ -471,6 +535,7 @@ class PendingLoad:
     copy: ChunkCopy
     still_valid: Callable[[], bool]
     """Were the bytes copied from the committed object? (Checked once copies are done.)"""
+    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -488,6 +553,7 @@ class PendingSave:
     layers_done: set[str] = field(default_factory=set)
     copied: Marker | None = None
     """Set once every layer is queued: done when the copies are."""
+    started: float = field(default_factory=time.perf_counter)
 
 
 class MaruWorker:
@@ -497,13 +563,13 @@ class MaruWorker:
                  kv_cache_config: Any) -> None:
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self.blocks_per_chunk = config.chunk_tokens // vllm_config.cache_config.block_size
-        self.store = StoreGuard(config, "worker")
+        self.stats = MaruConnectorStats()
+        self.store = StoreGuard(config, "worker", self.stats)
         rank, tp_size = tensor_parallel_rank(), vllm_config.parallel_config.tensor_parallel_size
         if rank is None and tp_size > 1:  # guessing 0 would load rank 0's share everywhere
             self.store.disable(f"this worker's tensor-parallel rank is unknown with "
                                f"tensor_parallel_size = {tp_size}")
         self.rank = rank or 0
-        self.stats = MaruConnectorStats()
         self.engine: TransferEngine | None = None
         self.fingerprint = NO_DATA_PATH
         self.pinned = False
@@ -618,6 +684,7 @@ class MaruWorker:
         for pending in self.loading:
             if pending.still_valid():
                 self.stats.add(loads=1, loaded_bytes=size)
+                self.stats.observe("load_latencies", time.perf_counter() - pending.started)
             else:
                 self._load_failed(pending.transfer)
         self.loading = []
@@ -719,6 +786,7 @@ class MaruWorker:
             self.store.failed(exc)
             return
         self.stats.add(saves=1, saved_bytes=int(pending.reservation.numel()))
+        self.stats.observe("save_latencies", time.perf_counter() - pending.started)
 
     def abort_saves(self, exc: BaseException) -> None:
         """Drop every open reservation (their space returns to the store)."""
@@ -781,6 +849,8 @@ class MaruKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.config = load_config(extra_config=extra)
+        if CacheHitSource is not None:
+            self._cache_hit_source = hit_source(self.config.backend)
         recompute_failed_loads(vllm_config)
         self._scheduler: MaruScheduler | None = None
         self._worker: MaruWorker | None = None
@@ -792,6 +862,15 @@ class MaruKVConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         return False
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        """maru's metrics on vLLM's /metrics (`maru.metrics`)."""
+        from maru.metrics import MaruPromMetrics
+
+        return MaruPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -852,8 +931,10 @@ class MaruKVConnector(KVConnectorBase_V1):
         return self._worker.take_failed_blocks() if self._worker else set()
 
     def get_kv_connector_stats(self) -> MaruConnectorStats | None:
-        half = self._worker or self._scheduler
-        return half.stats.take()
+        if self._worker is not None:
+            return self._worker.stats.take()
+        assert self._scheduler is not None
+        return self._scheduler.report()
 
     def describe(self) -> dict[str, Any]:
         """What this half decided at start-up: the layout adapter a worker picked, the key

@@ -449,6 +449,7 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
         kv_connector = job["kv_transfer_config"].get("kv_connector")
         extra["connector_totals"] = _connector_totals(llm)
         extra["connector"] = _connector_description(llm)
+        extra["connector_metrics"] = _connector_metrics(llm)
         extra["kv_cache_container"] = _kv_cache_container(llm)
         extra["connector_totals_after_prompt"] = totals_after
 
@@ -486,6 +487,29 @@ def _connector_description(llm: Any) -> dict[str, Any]:
     for half in _connector_halves(llm):
         described.update(getattr(half, "describe", dict)())
     return described
+
+
+CONNECTOR_METRICS = ("vllm:maru_", "vllm:prompt_tokens_cached_by_source")
+"""maru's metrics, and vLLM's count of cached prompt tokens by where they came from."""
+
+
+def _connector_metrics(llm: Any) -> dict[str, Any]:
+    """The `CONNECTOR_METRICS` as vLLM's registry holds them: a counter's or gauge's value,
+    a histogram's count and sum, summed over engines; a `kind` or `source` label goes
+    into the name (`vllm:maru_errors{load}`)."""
+    found: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith(CONNECTOR_METRICS):
+            continue
+        label = metric.labels.get("kind", metric.labels.get("source"))
+        name = metric.name + (f"{{{label}}}" if label else "")
+        if hasattr(metric, "count"):
+            seen = found.setdefault(name, {"count": 0, "sum": 0.0})
+            seen["count"] += metric.count
+            seen["sum"] += metric.sum
+        else:
+            found[name] = found.get(name, 0) + metric.value
+    return found
 
 
 def _kv_cache_container(llm: Any) -> str | None:

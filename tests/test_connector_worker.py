@@ -194,6 +194,21 @@ def test_stats_aggregate_across_workers_and_reduce_for_vllm_logs() -> None:
     assert second.lifetime["loads"] == 1
 
 
+def test_latencies_join_and_the_latest_store_gauges_win_across_reports() -> None:
+    from maru.connector import MaruConnectorStats
+
+    worker, scheduler = MaruConnectorStats(), MaruConnectorStats()
+    worker.observe("load_latencies", 0.002)
+    scheduler.observe("load_latencies", 0.004)
+    scheduler.data.update(store_objects=5, store_used=100)
+    merged = worker.aggregate(scheduler)
+    assert merged.data["load_latencies"] == [0.002, 0.004]
+    later = MaruConnectorStats({"store_objects": 7})
+    assert merged.aggregate(later).data["store_objects"] == 7
+    assert "load_latencies" not in merged.reduce() and "store_objects" not in merged.reduce()
+    assert not MaruConnectorStats({"load_latencies": [0.1]}).is_empty()
+
+
 @pytest.mark.parametrize(("version", "algorithm", "seed", "advice"), [
     ("0.32.0", "xxhash", None, "set PYTHONHASHSEED to one value everywhere, or use a sha256"),
     ("0.32.0", "xxhash_cbor", None, "or use a sha256 algorithm"),

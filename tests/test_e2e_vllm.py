@@ -66,6 +66,30 @@ def test_a_second_engine_loads_the_shared_prefix_from_shm(tiny_model, baseline, 
     assert (totals["lookups"], totals["saves"]) == (3, 0), (
         "every prompt asks the store, also about what vLLM's own cache holds; nothing is "
         "saved twice")
+    assert engine_a.extra["connector_metrics"]["vllm:maru_miss_tokens"] == SHARED, \
+        "A's first prompt found none of its chunks"
+
+
+def test_prometheus_metrics_match_the_connectors_counters(tiny_model, shm_pool):
+    """What vLLM's registry (its /metrics) holds of maru after a known workload."""
+    config = maru_config("shm", shm={"name": shm_pool})
+    run_engine(tiny_model, PROMPTS_A, kv_transfer_config=config)
+    engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config)
+    totals, metrics = engine_b.extra["connector_totals"], engine_b.extra["connector_metrics"]
+    assert totals["loads"] == SHARED // CHUNK
+    for stat, metric in (("lookups", "lookups"), ("hit_tokens", "hit_tokens"),
+                         ("miss_tokens", "miss_tokens"), ("loads", "chunks_loaded"),
+                         ("loaded_bytes", "loaded_bytes")):
+        assert metrics[f"vllm:maru_{metric}"] == totals[stat], stat
+    assert metrics["vllm:maru_load_seconds"]["count"] == totals["loads"]
+    assert metrics["vllm:maru_load_seconds"]["sum"] > 0
+    assert metrics["vllm:maru_errors{load}"] == 0
+    with maru.open_store(maru.load_config(backend="shm", capacity="256MiB",
+                                          shm={"name": shm_pool})) as pool:
+        figures = pool.stats()
+    assert metrics["vllm:maru_store_capacity_bytes"] == figures.capacity
+    assert metrics["vllm:maru_store_objects"] == figures.objects
+    assert metrics["vllm:prompt_tokens_cached_by_source{host}"] == SHARED, "shm is host memory"
 
 
 HASH_SEED = {"PYTHONHASHSEED": "0"}
@@ -132,6 +156,8 @@ def test_engines_sharing_nothing_but_a_redis_server(tiny_model, baseline, redis_
     engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config)
     assert engine_b.external_cached_tokens == [SHARED, 0, 0]
     assert engine_b.token_ids == baseline["B"]
+    assert engine_b.extra["connector_metrics"][
+        "vllm:prompt_tokens_cached_by_source{external_unspecified}"] == SHARED, "not this host's"
 
 
 def test_tiered_shm_in_front_of_redis(tiny_model, baseline, redis_server, shm_pool):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import maru
-from maru.connector import MaruConnectorMetadata, rank_key
+from maru.connector import STAT_FIELDS, MaruConnectorMetadata, rank_key
 
 BLOCK_SIZE = 32
 
@@ -133,8 +133,8 @@ class SchedulerHarness:
             kv_connector_output=KVConnectorOutput(finished_sending=saved)))
         for outputs in engine_outputs.values():
             reported = outputs.scheduler_stats and outputs.scheduler_stats.kv_connector_stats
-            for name, value in (reported or {}).items():
-                self.forwarded[name] = self.forwarded.get(name, 0) + value
+            for name in STAT_FIELDS:
+                self.forwarded[name] = self.forwarded.get(name, 0) + (reported or {}).get(name, 0)
         return output, meta
 
     @property
@@ -142,8 +142,7 @@ class SchedulerHarness:
         """What vLLM handed on, plus what the scheduler half holds for its next report
         (vLLM <= 0.23 forwards it only together with a worker's stats)."""
         pending = self.connector._scheduler.stats.data
-        return {name: self.forwarded.get(name, 0) + pending.get(name, 0)
-                for name in {*self.forwarded, *pending}}
+        return {name: self.forwarded.get(name, 0) + pending[name] for name in STAT_FIELDS}
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
