@@ -20,6 +20,7 @@ from maru.errors import (
     MaruError,
     ObjectTooLargeError,
     PluginError,
+    UnsupportedOperationError,
 )
 from maru.hookspecs import hookimpl
 
@@ -34,6 +35,7 @@ __all__ = [
     "ObjectTooLargeError",
     "PluginError",
     "StoreStats",
+    "UnsupportedOperationError",
     "hookimpl",
     "load_config",
     "open_store",

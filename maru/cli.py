@@ -152,11 +152,19 @@ def _format_pool(report: dict[str, Any]) -> str:
 
 def cmd_pool(args: argparse.Namespace) -> Result:
     """Create, inspect, clear or destroy the configured shm/cxl pool."""
+    if args.namespace is not None and args.action != "clear":
+        raise ConfigError(f"--namespace = {args.namespace!r}: only 'maru pool clear' takes it")
+    prefix = namespace_prefix(args.namespace) if args.namespace is not None else None
     with _open_pool(args.config, args.action) as store:
         if args.action == "destroy":
             label = store.pool.label
             store.destroy()
             return Result({"destroyed": label}, f"destroyed {label}")
+        if prefix is not None:
+            removed = store.delete_prefix(prefix)
+            return Result({"removed": removed, "namespace": args.namespace},
+                          f"removed {removed} objects of namespace {args.namespace!r} "
+                          f"from {store.pool.label}")
         if args.action == "clear":
             removed = store.pool.clear()
             return Result(
@@ -185,23 +193,55 @@ def _populated(store: Any) -> dict[str, Any]:
     return memory.report()
 
 
+def namespace_prefix(namespace: str) -> bytes:
+    """The key prefix of a namespace as `maru pool namespaces` and the connector name it:
+    a tenant (`namespace` in the config) or one instance's `tenant/digest`."""
+    parts = namespace.split("/")
+    if not all(parts) or len(parts) > 2:
+        raise ConfigError(f"--namespace = {namespace!r}: allowed: a config namespace such as "
+                          "'default', or 'NAMESPACE/DIGEST' for one model's keys in it")
+    return f"maru/{namespace}/".encode()
+
+
+RATES = ("hits", "misses", "evictions")
+
+
+def watch_line(report: dict[str, Any], rates: dict[str, float]) -> str:
+    """One refresh of `pool stats --watch` for people: sizes in KiB/MiB/GiB, rates per
+    second, and the hit bandwidth estimated from the mean object size."""
+    from maru.backends.pool import format_size
+
+    mean_object = report["used"] / report["objects"] if report["objects"] else 0
+    bandwidth = rates["hits"] * mean_object / 1e9
+    return (f"{time.strftime('%H:%M:%S')}  used {format_size(report['used'])} of "
+            f"{format_size(report['capacity'])}  objects {report['objects']}  "
+            f"hits {report['hits']} ({rates['hits']:.1f}/s, ~{bandwidth:.2f} GB/s)  "
+            f"misses {report['misses']} ({rates['misses']:.1f}/s)  "
+            f"evictions {report['evictions']} ({rates['evictions']:.1f}/s)")
+
+
 def _watch(store: Any, args: argparse.Namespace) -> Result:
-    shown = 0
+    """Refresh the pool's figures every `--watch` seconds: one line rewritten in place
+    on a terminal, a line per refresh otherwise, JSON lines with --json."""
+    in_place = sys.stdout.isatty() and not args.json
+    shown, previous = 0, None
     while args.count is None or shown < args.count:
         if shown:
             time.sleep(args.watch)
         report = _pool_report(store) | {"time": time.time()}
-        print(
-            json.dumps(report)
-            if args.json
-            else f"{time.strftime('%H:%M:%S')} "
-            + " ".join(
-                f"{key}={report[key]}"
-                for key in ("used", "objects", "hits", "misses", "evictions", "reclaimed")
-            ),
-            flush=True,
-        )
+        elapsed = report["time"] - previous["time"] if previous else 0
+        rates = {f"{name}_per_s": (report[name] - previous[name]) / elapsed if elapsed else 0.0
+                 for name in RATES}
+        previous = report
+        if args.json:
+            print(json.dumps(report | rates), flush=True)
+        else:
+            line = watch_line(report, {name: rates[f"{name}_per_s"] for name in RATES})
+            print(f"\x1b[2K\r{line}" if in_place else line, end="" if in_place else "\n",
+                  flush=True)
         shown += 1
+    if in_place:
+        print()
     return Result(None, "")
 
 
@@ -242,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--config", metavar="FILE", help="config file (else MARU_CONFIG)")
     pool.add_argument("--watch", type=float, metavar="SECONDS", help="stats: refresh every N s")
     pool.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N")
+    pool.add_argument("--namespace", metavar="NAME",
+                      help="clear: only this namespace ('default' or 'default/DIGEST')")
     pool.set_defaults(run=cmd_pool)
 
     bench = commands.add_parser("bench", parents=[common], help="benchmark backends")

@@ -44,6 +44,7 @@ from maru.config import MaruConfig, load_config
 from maru.errors import (
     ConfigError,
     InvalidKeyError,
+    MaruError,
     ObjectTooLargeError,
     PluginError,
 )
@@ -309,6 +310,22 @@ class MaruScheduler:
         log.info("maru: model %s is %s in the key namespace", model.model, self.model_identity)
         warn_if_hash_seed_is_per_process(vllm_config)
         self.store.available()  # at start-up: a new pool is set up here, not in a request
+
+    def reset(self) -> bool:
+        """Remove this instance's namespace from the store (never another model's or
+        tenant's); False if the store could not."""
+        store = self.store.available()
+        if store is None:
+            log.warning("maru: reset_cache: the store is unavailable; nothing removed")
+            return False
+        prefix = self.key_prefix()
+        try:
+            removed = store.delete_prefix(prefix)
+        except MaruError as exc:
+            log.warning("maru: reset_cache removed nothing: %s: %s", type(exc).__name__, exc)
+            return False
+        log.info("maru: reset_cache removed %d objects under %s", removed, prefix.decode())
+        return True
 
     def report(self) -> MaruConnectorStats | None:
         """The stats since the last report, with the store's gauges (read at most once a
@@ -935,6 +952,10 @@ class MaruKVConnector(KVConnectorBase_V1):
             return self._worker.stats.take()
         assert self._scheduler is not None
         return self._scheduler.report()
+
+    def reset_cache(self) -> bool | None:
+        """`/reset_prefix_cache` with the connector: clear this instance's namespace."""
+        return self._scheduler.reset() if self._scheduler is not None else None
 
     def describe(self) -> dict[str, Any]:
         """What this half decided at start-up: the layout adapter a worker picked, the key

@@ -29,3 +29,7 @@ class ObjectTooLargeError(MaruError, ValueError):
 
 class BufferTooSmallError(MaruError, ValueError):
     """`get_into` was given a buffer smaller than the object: nothing was copied."""
+
+
+class UnsupportedOperationError(MaruError):
+    """The backend cannot do this at all (e.g. delete by key prefix); retrying won't help."""

@@ -33,7 +33,13 @@ import numpy as np
 import pytest
 
 from maru.backends.base import MAX_KEY_BYTES, Backend
-from maru.errors import BackendError, BufferTooSmallError, InvalidKeyError, ObjectTooLargeError
+from maru.errors import (
+    BackendError,
+    BufferTooSmallError,
+    InvalidKeyError,
+    ObjectTooLargeError,
+    UnsupportedOperationError,
+)
 
 KIB = 1024
 
@@ -126,6 +132,21 @@ class BackendContract:
         assert store.delete(b"k") is False
         assert store.put(b"k", b"again")
         assert store.get(b"k") == b"again"
+
+    def test_delete_prefix_removes_exactly_the_keys_under_it(self, store: Backend) -> None:
+        """One namespace goes, its neighbours stay (a backend that cannot list its keys
+        says so with UnsupportedOperationError and removes nothing)."""
+        keys = [b"maru/a/1", b"maru/a/2", b"maru/ab/1", b"maru/b/1", b"maru/a*/1"]
+        for key in keys:
+            store.put(key, key)
+        try:
+            removed = store.delete_prefix(b"maru/a/")
+        except UnsupportedOperationError:
+            assert store.contains(keys) == [True] * len(keys)
+            return
+        assert removed == 2
+        assert store.contains(keys) == [False, False, True, True, True]
+        assert store.delete_prefix(b"maru/a/") == 0
 
     # --- keys ----------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from maru.connector import rank_key
@@ -238,3 +240,18 @@ def test_no_lookups_once_a_worker_says_it_cannot_load(harness) -> None:
     h.add("b", tokens(300))
     _, meta = h.step()
     assert meta.loads == [] and meta.saves == []
+
+
+def test_a_reset_with_the_connector_clears_only_this_instances_namespace(harness,
+                                                                         caplog) -> None:
+    h = harness()
+    h.add("a", tokens(300))
+    ours = h.chunk_keys(h.scheduler.requests["a"])
+    others = [b"maru/default/other-model/" + bytes([i]) for i in range(3)]
+    for key in [*ours, *others]:
+        h.store.put(key, b"x")
+    with caplog.at_level(logging.INFO, logger="vllm.maru"):
+        assert h.scheduler.reset_prefix_cache(reset_connector=True)
+    assert f"reset_cache removed {len(ours)} objects" in caplog.text
+    assert h.store.contains(ours) == [False] * len(ours)
+    assert h.store.contains(others) == [True] * 3, "another model's namespace stays"

@@ -44,6 +44,49 @@ def test_pool_lifecycle_from_the_command_line(capsys, pool_config) -> None:
     assert not shm_path(name).exists()
 
 
+def test_clear_with_a_namespace_removes_only_its_keys(capsys, pool_config) -> None:
+    config, _ = pool_config
+    assert run(capsys, "pool", "create", "--config", config)[0] == 0
+    ours = [b"maru/tenant-a/model-1/k1", b"maru/tenant-a/model-2/k1"]
+    theirs = [b"maru/tenant-b/model-1/k1", b"maru/tenant-ab/model-1/k1"]
+    with maru.open_store(maru.load_config(config)) as store:
+        for key in ours + theirs:
+            store.put(key, b"x")
+    code, out, _ = run(capsys, "pool", "clear", "--config", config, "--namespace",
+                       "tenant-a/model-1", "--json")
+    assert (code, json.loads(out)["removed"]) == (0, 1)
+    code, out, _ = run(capsys, "pool", "clear", "--config", config, "--namespace", "tenant-a")
+    assert code == 0 and "removed 1 objects of namespace 'tenant-a'" in out
+    with maru.open_store(maru.load_config(config)) as store:
+        assert store.contains(ours + theirs) == [False, False, True, True]
+    for bad in ("", "a//b", "/a", "a/b/c"):
+        code, _, err = run(capsys, "pool", "clear", "--config", config, "--namespace", bad)
+        assert code == 2 and f"--namespace = {bad!r}" in err
+    code, _, err = run(capsys, "pool", "stats", "--config", config, "--namespace", "tenant-a")
+    assert code == 2 and "only 'maru pool clear'" in err
+    with maru.open_store(maru.load_config(config)) as store:
+        assert store.stats().objects == 2, "a refused command removed nothing"
+    assert run(capsys, "pool", "destroy", "--config", config)[0] == 0
+
+
+def test_stats_watch_shows_sizes_and_rates_for_people(capsys, pool_config) -> None:
+    config, _ = pool_config
+    assert run(capsys, "pool", "create", "--config", config)[0] == 0
+    with maru.open_store(maru.load_config(config)) as store:
+        store.put(b"a", b"1" * 4096)
+        code, out, _ = run(capsys, "pool", "stats", "--config", config, "--watch", "0.2",
+                           "--count", "2", "--json")
+        assert code == 0 and json.loads(out.splitlines()[-1])["hits_per_s"] == 0
+        store.get(b"a")
+        code, out, _ = run(capsys, "pool", "stats", "--config", config, "--watch", "0.01",
+                           "--count", "2")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 2
+    assert re.search(r"used [\d.]+ KiB of 64 MiB  objects 1 ", lines[0]), lines[0]
+    assert re.search(r"hits 1 \(0\.0/s, ~0\.00 GB/s\)", lines[1]), lines[1]
+    assert run(capsys, "pool", "destroy", "--config", config)[0] == 0
+
+
 def test_pool_commands_refuse_a_backend_without_a_pool(capsys, monkeypatch) -> None:
     monkeypatch.setenv("MARU_BACKEND", "mock")
     code, _, err = run(capsys, "pool", "stats")

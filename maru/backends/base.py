@@ -34,7 +34,12 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from maru.errors import BackendError, BufferTooSmallError, InvalidKeyError
+from maru.errors import (
+    BackendError,
+    BufferTooSmallError,
+    InvalidKeyError,
+    UnsupportedOperationError,
+)
 
 MAX_KEY_BYTES = 512
 """Longest key any backend accepts, in bytes (UTF-8 for str keys)."""
@@ -198,6 +203,12 @@ class Backend(ABC):
         """Remove a committed object; False if there was none."""
         return self._delete(self._open_key(key))
 
+    def delete_prefix(self, prefix: bytes) -> int:
+        """Remove every committed object whose key starts with `prefix` (e.g. one model's
+        or tenant's namespace); how many were removed."""
+        self._check_open()
+        return self._delete_prefix(bytes(prefix))
+
     def stats(self) -> StoreStats:
         """The store's counters."""
         self._check_open()
@@ -283,6 +294,11 @@ class Backend(ABC):
 
     @abstractmethod
     def _delete(self, key: bytes) -> bool: ...
+
+    def _delete_prefix(self, prefix: bytes) -> int:
+        """Backends that can list their keys override this."""
+        raise UnsupportedOperationError(
+            f"the {self.name} backend cannot delete objects by key prefix")
 
     @abstractmethod
     def _stats(self) -> StoreStats: ...

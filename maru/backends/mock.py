@@ -161,6 +161,12 @@ class MockBackend(Backend):
         with self._pool.lock:
             return self._pool.remove(key)
 
+    def _delete_prefix(self, prefix: bytes) -> int:
+        self._inject("delete")
+        with self._pool.lock:
+            doomed = [key for key in self._pool.objects if key.startswith(prefix)]
+            return sum(self._pool.remove(key) for key in doomed)
+
     def _stats(self) -> StoreStats:
         pool = self._pool
         with pool.lock:

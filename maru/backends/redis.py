@@ -10,6 +10,7 @@ failure is a `BackendError`, which the connector treats as a miss.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
@@ -196,6 +197,17 @@ class RedisBackend(Backend):
     def _delete(self, key: bytes) -> bool:
         return bool(self._call("delete", self._key(key)))
 
+    def _delete_prefix(self, prefix: bytes) -> int:
+        """SCAN for the keys under this store's prefix and `prefix`, then delete them."""
+        import redis
+
+        try:
+            keys = list(self._client.scan_iter(match=_glob_escape(self._prefix + prefix) + b"*",
+                                               count=1000))
+        except redis.RedisError as exc:
+            raise BackendError(f"scan on {self.describe(self.options)} failed: {exc}") from None
+        return sum(self._call("delete", *keys[i:i + 1000]) for i in range(0, len(keys), 1000))
+
     def _stats(self) -> StoreStats:
         """Objects and bytes under this store's prefix (a SCAN: for tools, not hot paths);
         hits and misses of this process; evictions as the server counts them."""
@@ -237,3 +249,8 @@ def _per_node(info: dict[str, Any]) -> list[dict[str, Any]]:
 @hookimpl
 def maru_backends() -> list[type[Backend]]:
     return [RedisBackend]
+
+
+def _glob_escape(text: bytes) -> bytes:
+    """`text` as a literal in a Redis MATCH pattern."""
+    return re.sub(rb"([*?\[\]\\])", rb"\\\1", text)

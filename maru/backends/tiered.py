@@ -170,6 +170,13 @@ class TieredBackend(Backend):
             raise BackendError("every tier failed to delete")
         return any(answer is True for answer in answers)
 
+    def _delete_prefix(self, prefix: bytes) -> int:
+        answers = [self._attempt(tier, lambda t: t.delete_prefix(prefix), "delete")
+                   for tier in self.tiers]
+        if all(answer is FAILED for answer in answers):
+            raise BackendError("every tier failed to delete")
+        return max(answer for answer in answers if answer is not FAILED)
+
     def _count(self, *, hit: bool) -> None:
         with self._lock:
             if hit:

@@ -349,11 +349,16 @@ class Pool:
 
     def clear(self) -> int:
         """Remove every committed object; how many were removed."""
+        return self.delete_prefix(b"")
+
+    def delete_prefix(self, prefix: bytes) -> int:
+        """Remove every committed object whose key starts with `prefix`; how many."""
         with self.changing():
             committed = np.flatnonzero(self.tables.arrays.state == COMMITTED).tolist()
-            for entry in committed:
+            doomed = [e for e in committed if self.tables.key_at(e).startswith(prefix)]
+            for entry in doomed:
                 self.allocator.free(entry)
-            return len(committed)
+            return len(doomed)
 
     def stats(self) -> StoreStats:
         """The counters kept in the region."""
