@@ -126,7 +126,7 @@ def cmd_demo(args: argparse.Namespace) -> Result:
     return Result(report, format_report(report), EXIT_OK if report["identical"] else EXIT_FAILURE)
 
 
-POOL_ACTIONS = ("create", "stats", "clear", "destroy")
+POOL_ACTIONS = ("create", "stats", "namespaces", "clear", "destroy")
 
 
 def _open_pool(config_file: str | None, action: str) -> Any:
@@ -170,6 +170,8 @@ def cmd_pool(args: argparse.Namespace) -> Result:
             return Result(
                 {"removed": removed}, f"removed {removed} objects from {store.pool.label}"
             )
+        if args.action == "namespaces":
+            return _namespaces_result(store)
         if args.action == "stats" and args.watch:
             return _watch(store, args)
         report = _pool_report(store)
@@ -191,6 +193,24 @@ def _populated(store: Any) -> dict[str, Any]:
 
     memory.populator.wait(progress)
     return memory.report()
+
+
+def _namespaces_result(store: Any) -> Result:
+    """The namespaces in the pool: objects, last activity, and what their keys are made of."""
+    from maru.namespaces import namespaces
+
+    found = namespaces(store)
+    lines = []
+    for namespace in found:
+        record = dict(namespace.record)
+        active = record.pop("active", None)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(active)) if active else "?"
+        lines.append(f"{namespace.name}  objects {namespace.objects}  last active {when}")
+        lines.extend(f"    {key:<18} {value}" for key, value in sorted(record.items()))
+        if not record:
+            lines.append("    (no record: written by an instance that keeps none)")
+    data = [{"name": ns.name, "objects": ns.objects, "record": ns.record} for ns in found]
+    return Result(data, "\n".join(lines) or "no namespaces in the pool")
 
 
 def namespace_prefix(namespace: str) -> bytes:

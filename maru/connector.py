@@ -50,6 +50,7 @@ from maru.errors import (
 )
 from maru.layouts import LayoutError, kv_tensor, recognise
 from maru.model_identity import model_identity
+from maru.namespaces import differing_fields, namespaces, write_record
 from maru.plugins import get_plugin_manager
 from maru.transfer import (
     Blocks,
@@ -77,6 +78,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.maru")
 """Under "vllm" so that vLLM's log configuration shows maru's lines with its own."""
 
+RECORD_REFRESH_S = 60.0
+"""How often an active instance refreshes its namespace record's time of activity."""
 HEADER_BYTES = 64
 HEADER_MAGIC = b"MARUKV01"
 NO_DATA_PATH = "unrecognised"
@@ -304,6 +307,7 @@ class MaruScheduler:
         self._layout = "unknown"
         self._prefix: bytes | None = None
         self._gauges: dict[str, int] = {}
+        self._record_at = -RECORD_REFRESH_S
         self._gauges_read_at = -1.0
         model = vllm_config.model_config
         self.model_identity = model_identity(model.model, model.revision)
@@ -368,7 +372,45 @@ class MaruScheduler:
             parts = self.namespace()
             digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
             self._prefix = f"maru/{self._config.namespace}/{digest[:32]}/".encode()
+            self._record_at = -RECORD_REFRESH_S
         return self._prefix
+
+    def record(self) -> dict[str, Any]:
+        """This instance's namespace record (`maru.namespaces`)."""
+        from vllm import __version__ as vllm_version
+
+        return self.namespace() | {"vllm": vllm_version, "namespace": self._config.namespace,
+                                   "hash_seed_shared": hash_seed_advice(self._vllm_config) is None}
+
+    def keep_record(self, store: maru.Backend) -> None:
+        """Write the namespace record once the layout is known, then refresh its time of
+        activity at most every RECORD_REFRESH_S; the first time, say how namespaces of the
+        same model in the store differ from this one."""
+        if self._layout == "unknown" or time.monotonic() - self._record_at < RECORD_REFRESH_S:
+            return
+        first = self._record_at < 0
+        self._record_at = time.monotonic()
+        prefix, record = self.key_prefix(), self.record()
+        try:
+            if first:
+                self._compare_with_peers(store, record)
+        except MaruError as exc:  # e.g. a backend that cannot list its keys
+            log.debug("maru: namespaces in the store not compared: %s", exc)
+        try:
+            write_record(store, prefix, record)
+        except MaruError as exc:
+            log.debug("maru: namespace record not kept: %s", exc)
+
+    def _compare_with_peers(self, store: maru.Backend, record: dict[str, Any]) -> None:
+        name = "/".join(self.key_prefix().decode().split("/")[1:3])
+        for peer in namespaces(store):
+            if peer.name == name or peer.record.get("model") != record["model"]:
+                continue
+            fields = differing_fields(record, peer.record)
+            log.warning("maru: this instance will not share with namespace %s (%d objects, "
+                        "same model): %s", peer.name, peer.objects,
+                        "; ".join(f"{field} is {ours!r} here, {theirs!r} there"
+                                  for field, (ours, theirs) in fields.items()))
 
     def chunk_keys(self, request: Any) -> list[bytes]:
         """One key per whole prompt chunk: the hash of its last block (hashes are chained)."""
@@ -415,6 +457,7 @@ class MaruScheduler:
             self.store.failed(exc)
             return None
         self.stats.add(lookups=1)
+        self.keep_record(store)
         n = self.tp_size
         return [all(found[index * n:(index + 1) * n]) for index in range(len(keys))]
 
@@ -510,21 +553,30 @@ def none_hash_hex() -> str:
     return bytes(getattr(kv_cache_utils, "NONE_HASH", b"")).hex()
 
 
+def hash_seed_advice(vllm_config: VllmConfig) -> str | None:
+    """What makes block hashes match across processes here, if they cannot yet (None)."""
+    from vllm import __version__ as vllm_version
+
+    if os.environ.get("PYTHONHASHSEED") is not None:
+        return None
+    algorithm = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
+    major_minor = tuple(int(p) for p in vllm_version.split(".")[:2] if p.isdigit())
+    if len(major_minor) == 2 and major_minor < (0, 29):
+        return ("set PYTHONHASHSEED to one value everywhere (before vLLM 0.29 every "
+                "algorithm takes its seed from it)")
+    if algorithm.startswith("xxhash"):
+        return "set PYTHONHASHSEED to one value everywhere, or use a sha256 algorithm"
+    return None
+
+
 def warn_if_hash_seed_is_per_process(vllm_config: VllmConfig) -> None:
     """Say once when block hashes cannot match across processes, and what fixes it here."""
     from vllm import __version__ as vllm_version
 
-    if os.environ.get("PYTHONHASHSEED") is not None:
+    advice = hash_seed_advice(vllm_config)
+    if advice is None:
         return
     algorithm = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
-    major_minor = tuple(int(p) for p in vllm_version.split(".")[:2] if p.isdigit())
-    if len(major_minor) == 2 and major_minor < (0, 29):
-        advice = "set PYTHONHASHSEED to one value everywhere (before vLLM 0.29 every algorithm "
-        advice += "takes its seed from it)"
-    elif algorithm.startswith("xxhash"):
-        advice = "set PYTHONHASHSEED to one value everywhere, or use a sha256 algorithm"
-    else:
-        return
     log.warning("maru: vLLM's block-hash seed is random per process here (hash %s, vLLM %s, "
                 "no PYTHONHASHSEED), so other instances can never hit this one's chunks; %s",
                 algorithm, vllm_version, advice)

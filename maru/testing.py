@@ -133,19 +133,22 @@ class BackendContract:
         assert store.put(b"k", b"again")
         assert store.get(b"k") == b"again"
 
-    def test_delete_prefix_removes_exactly_the_keys_under_it(self, store: Backend) -> None:
-        """One namespace goes, its neighbours stay (a backend that cannot list its keys
-        says so with UnsupportedOperationError and removes nothing)."""
+    def test_keys_and_delete_prefix_take_exactly_the_keys_under_it(self, store: Backend) -> None:
+        """One namespace is listed, or goes, and its neighbours stay (a backend that
+        cannot list its keys says so with UnsupportedOperationError and removes nothing)."""
         keys = [b"maru/a/1", b"maru/a/2", b"maru/ab/1", b"maru/b/1", b"maru/a*/1"]
         for key in keys:
             store.put(key, key)
         try:
+            listed = sorted(store.keys(b"maru/a"))
             removed = store.delete_prefix(b"maru/a/")
         except UnsupportedOperationError:
             assert store.contains(keys) == [True] * len(keys)
             return
+        assert listed == [b"maru/a*/1", b"maru/a/1", b"maru/a/2", b"maru/ab/1"]
         assert removed == 2
         assert store.contains(keys) == [False, False, True, True, True]
+        assert sorted(store.keys(b"maru/a/")) == []
         assert store.delete_prefix(b"maru/a/") == 0
 
     # --- keys ----------------------------------------------------------------

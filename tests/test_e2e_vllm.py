@@ -237,3 +237,26 @@ def test_tensor_parallel_ranks_store_and_load_only_their_own_share(tiny_model, s
     assert engine_b.token_ids == own_hit
     with maru.open_store(store) as pool:
         assert pool.stats().hits == 2 * chunks, "each rank loaded its own share of each chunk"
+
+
+def test_an_instance_says_why_it_does_not_share_with_its_models_other_namespaces(
+        tiny_model, shm_pool, tmp_path, capsys):
+    from maru.cli import main
+    from maru.namespaces import namespaces
+
+    run_engine(tiny_model, PROMPTS_A[:1],
+               kv_transfer_config=maru_config("shm", shm={"name": shm_pool}))
+    log = tmp_path / "engine.log"
+    run_engine(tiny_model, PROMPTS_A[:1], log_path=log, kv_transfer_config=maru_config(
+        "shm", shm={"name": shm_pool}, chunk_tokens=2 * CHUNK))
+    assert f"chunk_tokens is {2 * CHUNK} here, {CHUNK} there" in log.read_text()
+    with maru.open_store(maru.load_config(backend="shm", capacity="256MiB",
+                                          shm={"name": shm_pool})) as pool:
+        found = namespaces(pool)
+    assert sorted(ns.record["chunk_tokens"] for ns in found) == [CHUNK, 2 * CHUNK]
+    assert all(ns.objects > 0 and ns.record["hash_seed_shared"] for ns in found)
+    config = tmp_path / "pool.yaml"
+    config.write_text(f"backend: shm\ncapacity: 256MiB\nshm:\n  name: {shm_pool}\n")
+    assert main(["pool", "namespaces", "--config", str(config)]) == 0
+    listed = capsys.readouterr().out
+    assert all(ns.name in listed for ns in found) and "last active" in listed

@@ -203,6 +203,12 @@ class Backend(ABC):
         """Remove a committed object; False if there was none."""
         return self._delete(self._open_key(key))
 
+    def keys(self, prefix: bytes = b"") -> list[bytes]:
+        """The keys of the committed objects that start with `prefix` (a scan: for tools
+        and start-up checks, not for hot paths)."""
+        self._check_open()
+        return self._keys(bytes(prefix))
+
     def delete_prefix(self, prefix: bytes) -> int:
         """Remove every committed object whose key starts with `prefix` (e.g. one model's
         or tenant's namespace); how many were removed."""
@@ -294,6 +300,10 @@ class Backend(ABC):
 
     @abstractmethod
     def _delete(self, key: bytes) -> bool: ...
+
+    def _keys(self, prefix: bytes) -> list[bytes]:
+        """Backends that can list their keys override this."""
+        raise UnsupportedOperationError(f"the {self.name} backend cannot list its keys")
 
     def _delete_prefix(self, prefix: bytes) -> int:
         """Backends that can list their keys override this."""

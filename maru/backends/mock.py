@@ -161,6 +161,10 @@ class MockBackend(Backend):
         with self._pool.lock:
             return self._pool.remove(key)
 
+    def _keys(self, prefix: bytes) -> list[bytes]:
+        with self._pool.lock:
+            return [key for key in self._pool.objects if key.startswith(prefix)]
+
     def _delete_prefix(self, prefix: bytes) -> int:
         self._inject("delete")
         with self._pool.lock:

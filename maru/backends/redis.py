@@ -197,16 +197,22 @@ class RedisBackend(Backend):
     def _delete(self, key: bytes) -> bool:
         return bool(self._call("delete", self._key(key)))
 
-    def _delete_prefix(self, prefix: bytes) -> int:
-        """SCAN for the keys under this store's prefix and `prefix`, then delete them."""
+    def _scan(self, prefix: bytes) -> list[bytes]:
+        """The server's names of the keys under this store's prefix and `prefix`."""
         import redis
 
         try:
-            keys = list(self._client.scan_iter(match=_glob_escape(self._prefix + prefix) + b"*",
-                                               count=1000))
+            return list(self._client.scan_iter(
+                match=_glob_escape(self._prefix + prefix) + b"*", count=1000))
         except redis.RedisError as exc:
             raise BackendError(f"scan on {self.describe(self.options)} failed: {exc}") from None
-        return sum(self._call("delete", *keys[i:i + 1000]) for i in range(0, len(keys), 1000))
+
+    def _keys(self, prefix: bytes) -> list[bytes]:
+        return [name[len(self._prefix):] for name in self._scan(prefix)]
+
+    def _delete_prefix(self, prefix: bytes) -> int:
+        names = self._scan(prefix)
+        return sum(self._call("delete", *names[i:i + 1000]) for i in range(0, len(names), 1000))
 
     def _stats(self) -> StoreStats:
         """Objects and bytes under this store's prefix (a SCAN: for tools, not hot paths);

@@ -170,6 +170,12 @@ class TieredBackend(Backend):
             raise BackendError("every tier failed to delete")
         return any(answer is True for answer in answers)
 
+    def _keys(self, prefix: bytes) -> list[bytes]:
+        answers = [self._attempt(tier, lambda t: t.keys(prefix), "list") for tier in self.tiers]
+        if all(answer is FAILED for answer in answers):
+            raise BackendError("every tier failed to list its keys")
+        return sorted({key for answer in answers if answer is not FAILED for key in answer})
+
     def _delete_prefix(self, prefix: bytes) -> int:
         answers = [self._attempt(tier, lambda t: t.delete_prefix(prefix), "delete")
                    for tier in self.tiers]

@@ -82,6 +82,9 @@ class PoolBackend(Backend):
     def _delete(self, key: bytes) -> bool:
         return self.pool.delete(key)
 
+    def _keys(self, prefix: bytes) -> list[bytes]:
+        return self.pool.keys(prefix)
+
     def _delete_prefix(self, prefix: bytes) -> int:
         return self.pool.delete_prefix(prefix)
 

@@ -351,11 +351,20 @@ class Pool:
         """Remove every committed object; how many were removed."""
         return self.delete_prefix(b"")
 
+    def _entries_under(self, prefix: bytes) -> list[int]:
+        """The committed entries whose key starts with `prefix` (the lock held)."""
+        committed = np.flatnonzero(self.tables.arrays.state == COMMITTED).tolist()
+        return [e for e in committed if self.tables.key_at(e).startswith(prefix)]
+
+    def keys(self, prefix: bytes) -> list[bytes]:
+        """The keys of the committed objects under `prefix`."""
+        with self.locked():
+            return [self.tables.key_at(entry) for entry in self._entries_under(prefix)]
+
     def delete_prefix(self, prefix: bytes) -> int:
         """Remove every committed object whose key starts with `prefix`; how many."""
         with self.changing():
-            committed = np.flatnonzero(self.tables.arrays.state == COMMITTED).tolist()
-            doomed = [e for e in committed if self.tables.key_at(e).startswith(prefix)]
+            doomed = self._entries_under(prefix)
             for entry in doomed:
                 self.allocator.free(entry)
             return len(doomed)
