@@ -12,9 +12,10 @@ ERA_ENGINES    := 0.18.1 0.28.0
 ERA_NEIGHBOURS := 0.31.0
 ERA_SCHEDULERS := 0.33.0
 ERA_STAMPS     := $(foreach r,$(ERA_ENGINES) $(ERA_NEIGHBOURS) $(ERA_SCHEDULERS),.venv-vllm-$(r)/.maru-era)
-# What each release runs: the vLLM-dependent tests, and on engines the era check.
-ERA_TESTS      := tests/test_layouts.py tests/test_connector_scheduler.py tests/test_connector_worker.py
-ERA_ENGINE_TEST := tests/test_e2e_vllm.py::test_store_hits_give_the_tokens_of_the_engines_own_prefix_cache_hits
+# What each release runs: the quick lane (every test but the slow ones: the layouts, the
+# real Scheduler, the worker, and all that needs no vLLM), and on engines the era check.
+ERA_TESTS        := -m "not slow"
+ERA_ENGINE_TESTS := -m "not slow or era"
 
 .PHONY: check test test-eras eras demo bench bench-gpu lint venv clean redis-server tcmalloc
 
@@ -73,11 +74,10 @@ test: lint redis-server eras
 
 test-eras: eras
 	@set -e; for release in $(ERA_ENGINES); do \
-	  echo "== vLLM $$release: vLLM-dependent tests and the era check on real engines"; \
-	  .venv-vllm-$$release/bin/maru-python -m pytest -p no:cacheprovider \
-	    $(ERA_TESTS) $(ERA_ENGINE_TEST); \
+	  echo "== vLLM $$release: the quick lane and the era check on real engines"; \
+	  .venv-vllm-$$release/bin/maru-python -m pytest -p no:cacheprovider $(ERA_ENGINE_TESTS); \
 	done; for release in $(ERA_SCHEDULERS); do \
-	  echo "== vLLM $$release: vLLM-dependent tests on the real Scheduler (no engine)"; \
+	  echo "== vLLM $$release: the quick lane, on the real Scheduler (no engine)"; \
 	  .venv-vllm-$$release/bin/maru-python -m pytest -p no:cacheprovider $(ERA_TESTS); \
 	done
 

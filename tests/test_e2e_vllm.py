@@ -106,6 +106,7 @@ def handed_over(vllm_version: str) -> tuple[str, str]:
     return container, "kv-first" if release <= (0, 22) else "blocks-first"
 
 
+@pytest.mark.era
 def test_store_hits_give_the_tokens_of_the_engines_own_prefix_cache_hits(tiny_model, baseline,
                                                                          shm_pool):
     """The era check (`make test` runs it on every vLLM release of the matrix): the second

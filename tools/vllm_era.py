@@ -7,9 +7,10 @@ Each release gets `.venv-vllm-<release>` with:
 
 - its own torch and requirements: the CPU build is installed `--no-deps` (its pinned
   `+cpu` torch may not be on any reachable index), its requirements are installed
-  with torch held at the release's version by a constraint, and maru goes in editable
-  with its own requirements; or, for an `overlay` release whose requirements are the
-  main environment's, just the wheel over `.venv` (the scheduler-only CUDA build too);
+  with torch held at the release's version by a constraint, and maru (and the example
+  plugin the tests load) go in editable with maru's requirements; or, for an
+  `overlay` release whose requirements are the main environment's, just the wheel
+  over `.venv` (the scheduler-only CUDA build too);
 - `bin/maru-python`, the interpreter with the libraries that release needs preloaded
   (`LD_PRELOAD`; vLLM 0.18 to 0.22 refuse to start a CPU worker without them).
 
@@ -162,7 +163,7 @@ def build_full(env: Path, version: str, release: Release, build: Build) -> None:
         wheel = download(build.package, version, Path(folder), pip)
         install(pip, "--no-deps", str(wheel))
         install(pip, "-c", str(constraints), *wheel_requirements(wheel), *maru_requirements())
-    install(pip, "--no-deps", "-e", str(ROOT))
+    install(pip, "--no-deps", "-e", str(ROOT), "-e", str(ROOT / "examples" / "maru-example-plugin"))
     run(*pip, "uninstall", "--quiet", "--yes", *sorted(TORCH_FAMILY - {"torch"}))
 
 
