@@ -403,8 +403,8 @@ class MaruScheduler:
 
     def _compare_with_peers(self, store: maru.Backend, record: dict[str, Any]) -> None:
         name = "/".join(self.key_prefix().decode().split("/")[1:3])
-        for peer in namespaces(store):
-            if peer.name == name or peer.record.get("model") != record["model"]:
+        for peer in namespaces(store, other_than=name):
+            if peer.record.get("model") != record["model"]:
                 continue
             fields = differing_fields(record, peer.record)
             log.warning("maru: this instance will not share with namespace %s (%d objects, "

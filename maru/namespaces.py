@@ -56,12 +56,15 @@ class Namespace:
     record: dict[str, Any] = field(default_factory=dict)
 
 
-def namespaces(store: Backend) -> list[Namespace]:
-    """Every namespace with objects or a record in `store`, most objects first."""
+def namespaces(store: Backend, other_than: str | None = None) -> list[Namespace]:
+    """Every namespace with objects or a record in `store` (but `other_than`, whose record
+    is not even read: reads count as the store's hits), most objects first."""
     counts: Counter[str] = Counter()
     records: dict[str, dict[str, Any]] = {}
     for key in store.keys(b"maru/"):
         name = "/".join(key.decode(errors="replace").split("/")[1:3])
+        if name == other_than:
+            continue
         if key.endswith(b"/" + RECORD):
             records[name] = _decoded(store.get(key))
         else:

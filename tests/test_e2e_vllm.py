@@ -15,6 +15,7 @@ import pytest
 import maru
 from maru.backends.shm import shm_path
 from maru.engine import build_tiny_llama, run_engine
+from maru.namespaces import RECORD
 from tests.conftest import unique_name
 
 pytestmark = pytest.mark.slow
@@ -226,18 +227,17 @@ def test_tensor_parallel_ranks_store_and_load_only_their_own_share(tiny_model, s
     config = maru_config("shm", shm={"name": shm_pool})
     own_hit = run_engine(tiny_model, PROMPTS_A + PROMPTS_B, **two_ranks()).token_ids[3:]
     run_engine(tiny_model, PROMPTS_A, kv_transfer_config=config, **two_ranks())
-    store = maru.load_config(backend="shm", capacity="256MiB", shm={"name": shm_pool})
-    with maru.open_store(store) as pool:
-        written = pool.stats()
-    chunks = SHARED // CHUNK
-    share = (CHUNK // 32) * 2 * (2 * 32 * 1 * 64 * 2)  # blocks x layers x a page of 1 of 2 heads
-    assert written.objects == 2 * chunks, "one object per chunk per rank"
-    assert share <= written.used / written.objects < share + 256, "a rank's half, plus header"
     engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config, **two_ranks())
     assert engine_b.external_cached_tokens == [SHARED, 0, 0]
     assert engine_b.token_ids == own_hit
+    chunks = SHARED // CHUNK
+    share = (CHUNK // 32) * 2 * (2 * 32 * 1 * 64 * 2)  # blocks x layers x a page of 1 of 2 heads
+    store = maru.load_config(backend="shm", capacity="256MiB", shm={"name": shm_pool})
     with maru.open_store(store) as pool:
         assert pool.stats().hits == 2 * chunks, "each rank loaded its own share of each chunk"
+        objects = [key for key in pool.keys(b"maru/") if not key.endswith(RECORD)]
+        assert sorted(key[-2:] for key in objects) == [b"@0"] * chunks + [b"@1"] * chunks
+        assert {len(pool.get(key)) for key in objects} == {64 + share}, "a rank's half + header"
 
 
 def test_an_instance_says_why_it_does_not_share_with_its_models_other_namespaces(
