@@ -16,7 +16,7 @@ Each release gets `.venv-vllm-<release>` with:
 
 The CPU build is picked from the machine's CPU flags (0.16 comes as AVX-512 builds
 only); a machine none fits gets an error naming what is missing. Each release costs
-a few minutes and 1 to 7 GB of disk; the Makefile rebuilds one only when its stamp
+a few minutes and 1 to 9 GB of disk; the Makefile rebuilds one only when its stamp
 (`.maru-era`) is older than this script or the main environment.
 
 Usage: python tools/vllm_era.py RELEASE VENV_DIR [--base BASE_VENV]
@@ -212,7 +212,7 @@ def build_era(version: str, env: Path, base: Path) -> None:
     release = RELEASES[version]
     build = pick_build(version, release, cpu_flags())
     print(f"vllm_era: installing vLLM {version} ({build.package}) into {env}; this takes "
-          "a few minutes and 1 to 7 GB of disk", flush=True)
+          "a few minutes and 1 to 9 GB of disk", flush=True)
     if release.overlay:
         build_overlay(env.resolve(), version, build, base)
     else:
