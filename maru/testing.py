@@ -32,7 +32,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from maru.backends.base import MAX_KEY_BYTES, Backend
+from maru.backends.base import MAX_KEY_BYTES, Backend, key_digest
 from maru.errors import (
     BackendError,
     BufferTooSmallError,
@@ -150,6 +150,22 @@ class BackendContract:
         assert store.contains(keys) == [False, False, True, True, True]
         assert sorted(store.keys(b"maru/a/")) == []
         assert store.delete_prefix(b"maru/a/") == 0
+
+    def test_the_removal_log_names_what_was_deleted_or_says_it_cannot(self,
+                                                                       store: Backend) -> None:
+        """`removed_since` lists the digests of deleted objects after the cursor, never
+        one still stored, and none before the cursor; a backend without a log says None."""
+        store.put(b"before", b"v")
+        store.delete(b"before")
+        start = store.removed_since(None)
+        assert start.digests in ([], None)
+        for key in (b"gone", b"kept"):
+            store.put(key, b"v")
+        store.delete(b"gone")
+        seen = store.removed_since(start.cursor)
+        if seen.digests is not None:
+            assert seen.digests == [key_digest(b"gone")]
+            assert store.removed_since(seen.cursor).digests == []
 
     # --- keys ----------------------------------------------------------------
 
@@ -290,6 +306,18 @@ class EvictionContract:
             stats = store.stats()
             assert stats.used <= stats.capacity
         assert store.get(b"k29") == payload("k29", size)
+
+    def test_the_removal_log_names_evictions(self, store: Backend) -> None:
+        size = self.capacity // 5
+        cursor = store.removed_since(None).cursor
+        for i in range(6):
+            assert store.put(f"k{i}", payload(f"k{i}", size))
+        seen = store.removed_since(cursor)
+        if seen.digests is None:
+            return
+        gone = [f"k{i}".encode() for i, present in
+                enumerate(store.contains([f"k{i}" for i in range(6)])) if not present]
+        assert gone and sorted(seen.digests) == sorted(map(key_digest, gone))
 
     def test_threads_under_eviction_pressure_see_whole_objects(self, store: Backend) -> None:
         assert churn_in_threads(store) == []

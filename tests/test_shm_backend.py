@@ -9,6 +9,7 @@ import threading
 import pytest
 
 import maru
+from maru.backends.base import key_digest
 from maru.backends.pool import region as pool_format
 from maru.backends.pool.attach import memory_of
 from maru.backends.shm import shm_path
@@ -154,3 +155,17 @@ def test_threads_writing_first_at_once_all_keep_their_reservations(pool_names) -
         with open_shm(pool_names()) as store:
             assert reserve_at_once(store, 8) == [True] * 8
             assert store.stats().reclaimed == 0
+
+
+def test_a_reader_that_fell_further_behind_than_the_log_is_told_to_check(pool_names) -> None:
+    name = pool_names()
+    with open_shm(name) as store:
+        cursor = store.removed_since(None).cursor
+        for _ in range(pool_format.REMOVAL_LOG_SLOTS + 1):
+            store.put(b"k", b"v")
+            store.delete(b"k")
+        assert store.removed_since(cursor).digests is None
+        latest = store.removed_since(None).cursor
+        assert latest == cursor + pool_format.REMOVAL_LOG_SLOTS + 1
+        assert store.removed_since(latest - pool_format.REMOVAL_LOG_SLOTS).digests == (
+            [key_digest(b"k")] * pool_format.REMOVAL_LOG_SLOTS)

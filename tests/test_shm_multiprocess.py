@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import maru
+from maru.backends.base import key_digest
 from maru.backends.pool import attach, region
 from maru.backends.pool.core import SMALL_COPY
 from maru.testing import payload
@@ -404,3 +405,28 @@ def test_a_child_forked_while_a_pool_was_being_opened_can_open_pools(pool_names)
     finally:
         child.kill()
         child.join()
+
+
+def evict_by_filling(name: str) -> None:
+    """In another process: write until the pool has evicted what was there."""
+    with open_pool(name) as store:
+        for i in range(12):
+            store.put(f"filler-{i}", b"f" * MIB)
+
+
+def test_evictions_by_another_process_are_read_from_the_removal_log(pool_names) -> None:
+    name = pool_names()
+    with open_pool(name) as store:
+        ours = [f"ours-{i}".encode() for i in range(4)]
+        for key in ours:
+            store.put(key, b"o" * MIB)
+        cursor = store.removed_since(None).cursor
+        child = SPAWN.Process(target=evict_by_filling, args=(name,))
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        seen = store.removed_since(cursor)
+        assert seen.digests is not None
+        assert set(map(key_digest, ours)) <= set(seen.digests)
+        assert store.contains(ours) == [False] * 4
+

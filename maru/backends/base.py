@@ -12,6 +12,10 @@ Semantics, for every backend:
 - A miss is `None`/`False`; a broken backend raises `BackendError`.
 - `get_into` with a buffer smaller than the object raises
   `BufferTooSmallError` and copies nothing.
+- Every removal of a committed object (eviction, delete) is logged where the
+  backend can keep a log: `removed_since` hands out the `key_digest`s of the
+  objects removed since a cursor, so a reader learns of evictions by any
+  process without scanning the store.
 - `view` reads a committed object without copying it where the backend keeps
   objects in memory it can expose (`zero_copy`: shm, cxl); the reader checks
   `ReadView.valid()` after reading, because an evicted object's memory is
@@ -30,8 +34,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
+import xxhash
 from pydantic import BaseModel
 
 from maru.errors import (
@@ -45,6 +50,21 @@ MAX_KEY_BYTES = 512
 """Longest key any backend accepts, in bytes (UTF-8 for str keys)."""
 
 Key = bytes | str
+
+
+def key_digest(key: bytes) -> int:
+    """The key's 64-bit digest (XXH3) as removal logs hold it, the same in every process."""
+    return xxhash.xxh3_64_intdigest(key)
+
+
+class Removals(NamedTuple):
+    """What `Backend.removed_since` saw: the cursor to pass next, and the digests of the
+    objects removed since the cursor given, oldest first; `digests` is None when the store
+    cannot say (it keeps no log, or more was removed than its log holds): the reader then
+    checks the keys it cares about with `contains`."""
+
+    cursor: int
+    digests: list[int] | None
 
 
 @dataclass(frozen=True)
@@ -215,6 +235,12 @@ class Backend(ABC):
         self._check_open()
         return self._delete_prefix(bytes(prefix))
 
+    def removed_since(self, cursor: int | None) -> Removals:
+        """The objects removed (evicted or deleted, by any process) since `cursor`; None
+        starts from now. Cheap enough to call on every engine step."""
+        self._check_open()
+        return self._removed_since(cursor)
+
     def stats(self) -> StoreStats:
         """The store's counters."""
         self._check_open()
@@ -309,6 +335,10 @@ class Backend(ABC):
         """Backends that can list their keys override this."""
         raise UnsupportedOperationError(
             f"the {self.name} backend cannot delete objects by key prefix")
+
+    def _removed_since(self, cursor: int | None) -> Removals:
+        """Backends that keep a removal log override this."""
+        return Removals(0, None)
 
     @abstractmethod
     def _stats(self) -> StoreStats: ...

@@ -11,15 +11,18 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, ClassVar
 
 from pydantic import Field
 
-from maru.backends.base import Backend, StoreStats
+from maru.backends.base import Backend, Removals, StoreStats, key_digest
 from maru.config import Options
 from maru.errors import BackendError, ConfigError, ObjectTooLargeError
 from maru.hookspecs import hookimpl
+
+REMOVAL_LOG_LENGTH = 4096
+"""Removals the log keeps (as many as a shared-memory pool's)."""
 
 
 class MockOptions(Options):
@@ -45,11 +48,12 @@ class _Pool:
         self.used = 0
         self.hits = self.misses = self.evictions = 0
         self.users = 0
+        self.removal_log: deque[int] = deque(maxlen=REMOVAL_LOG_LENGTH)
+        self.removals = 0
 
     def make_room(self, nbytes: int) -> bool:
         while self.used + nbytes > self.capacity and self.objects:
-            _, evicted = self.objects.popitem(last=False)
-            self.used -= len(evicted)
+            self.remove(next(iter(self.objects)))
             self.evictions += 1
         return self.used + nbytes <= self.capacity
 
@@ -58,7 +62,18 @@ class _Pool:
         if data is None:
             return False
         self.used -= len(data)
+        self.removal_log.append(key_digest(key))
+        self.removals += 1
         return True
+
+    def removed_since(self, cursor: int | None) -> Removals:
+        """The removal log from `cursor` on, as `Backend.removed_since` promises."""
+        if cursor is None or cursor == self.removals:
+            return Removals(self.removals, [])
+        behind = self.removals - cursor
+        if not 0 <= behind <= len(self.removal_log):
+            return Removals(self.removals, None)
+        return Removals(self.removals, list(self.removal_log)[len(self.removal_log) - behind:])
 
     def lookup(self, key: bytes) -> bytearray | None:
         data = self.objects.get(key)
@@ -170,6 +185,10 @@ class MockBackend(Backend):
         with self._pool.lock:
             doomed = [key for key in self._pool.objects if key.startswith(prefix)]
             return sum(self._pool.remove(key) for key in doomed)
+
+    def _removed_since(self, cursor: int | None) -> Removals:
+        with self._pool.lock:
+            return self._pool.removed_since(cursor)
 
     def _stats(self) -> StoreStats:
         pool = self._pool

@@ -27,6 +27,8 @@ from maru.backends.pool.region import (
     OBJECTS,
     PENDING,
     RECLAIMED,
+    REMOVAL_LOG_SLOTS,
+    REMOVALS,
     USED,
     Geometry,
     Tables,
@@ -68,6 +70,8 @@ class Allocator:
         """Remove an entry from every structure."""
         t = self._t
         was_committed = t.state[entry] == COMMITTED
+        if was_committed:
+            self._log_removal(entry)
         t.gen[entry] += 1  # first: once FREE, no reader may accept the old generation
         t.state[entry] = FREE
         self._index.remove(entry)
@@ -87,6 +91,14 @@ class Allocator:
             t.add(OBJECTS, -1)
         t.chain[entry] = t.link(FREE_HEAD)
         t.set(FREE_HEAD, entry)
+
+    def _log_removal(self, entry: int) -> None:
+        """Write a committed entry's key hash into the removal log, for readers that follow
+        it (`Pool.removed_since`)."""
+        t = self._t
+        removals = t.get(REMOVALS)
+        t.removal_log[removals % REMOVAL_LOG_SLOTS] = t.hash[entry]
+        t.set(REMOVALS, removals + 1)
 
     def evict(self, entry: int) -> None:
         """Free an entry, counted as an eviction (committed) or a reclaim (pending)."""

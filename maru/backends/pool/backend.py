@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
-from maru.backends.base import Backend, ReadView, StoreStats
+from maru.backends.base import Backend, ReadView, Removals, StoreStats
 from maru.backends.pool.attach import RegionSpec, attach, detach
 from maru.backends.pool.core import SMALL_COPY, Handle
 from maru.config import Options
@@ -87,6 +87,9 @@ class PoolBackend(Backend):
 
     def _delete_prefix(self, prefix: bytes) -> int:
         return self.pool.delete_prefix(prefix)
+
+    def _removed_since(self, cursor: int | None) -> Removals:
+        return self.pool.removed_since(cursor)
 
     def _stats(self) -> StoreStats:
         return self.pool.stats()

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from maru.backends.base import ReadView, StoreStats
+from maru.backends.base import ReadView, Removals, StoreStats
 from maru.backends.pool.allocator import Allocator
 from maru.backends.pool.checksum import NO_CHECKSUM, intact
 from maru.backends.pool.checksum import checksum as object_checksum
@@ -52,6 +52,8 @@ from maru.backends.pool.region import (
     READY,
     RECLAIMED,
     RECOVERIES,
+    REMOVAL_LOG_SLOTS,
+    REMOVALS,
     USED,
     Geometry,
     Tables,
@@ -368,6 +370,19 @@ class Pool:
             for entry in doomed:
                 self.allocator.free(entry)
             return len(doomed)
+
+    def removed_since(self, cursor: int | None) -> Removals:
+        """The key hashes the removal log holds from `cursor` on (None: from now); no
+        list if the log has been overwritten since (more removals than it holds)."""
+        t = self.tables
+        with self.locked():
+            removals = t.get(REMOVALS)
+            if cursor is None or cursor == removals:
+                return Removals(removals, [])
+            if not 0 <= removals - cursor <= REMOVAL_LOG_SLOTS:
+                return Removals(removals, None)
+            slots = np.arange(cursor, removals) % REMOVAL_LOG_SLOTS
+            return Removals(removals, t.removal_log[slots].tolist())
 
     def stats(self) -> StoreStats:
         """The counters kept in the region."""

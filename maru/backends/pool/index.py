@@ -12,12 +12,11 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
+from maru.backends.base import key_digest
 from maru.backends.pool.region import COMMITTED, FREE, NONE, Tables
 
-
-def key_hash(key: bytes) -> int:
-    """The key's 64-bit hash (XXH3), the same in every process."""
-    return xxhash.xxh3_64_intdigest(key)
+key_hash = key_digest
+"""The key's 64-bit hash (XXH3), the same in every process (and in removal logs)."""
 
 
 def key_hashes(keys: list[bytes]) -> np.ndarray:

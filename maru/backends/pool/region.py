@@ -17,9 +17,9 @@ import numpy as np
 from maru.errors import BackendError, ConfigError
 
 MAGIC = b"MARUPOOL"
-FORMAT_VERSION = 4
-"""4: XXH3-64 key hashes and checksums; 3: a checksum field per entry; 2: 64-bit BLAKE2b
-key hashes (1: CRC-32 and length)."""
+FORMAT_VERSION = 5
+"""5: a removal log in the header; 4: XXH3-64 key hashes and checksums; 3: a checksum
+field per entry; 2: 64-bit BLAKE2b key hashes (1: CRC-32 and length)."""
 ALIGN = 64
 PAGE = 4096
 BYTES_PER_ENTRY = 64 * 1024
@@ -58,10 +58,16 @@ NO_LINK = 2**64 - 1
     RECLAIMED,
     RECOVERIES,
     CORRUPT,
-) = range(1, 24)
+    REMOVALS,
+) = range(1, 25)
 SLOT_TOKENS = 64
 """Word index where the writer-slot tokens start (one word per slot)."""
-HEADER_BYTES = -(-(SLOT_TOKENS + WRITER_SLOTS) * 8 // PAGE) * PAGE
+REMOVAL_LOG = SLOT_TOKENS + WRITER_SLOTS
+"""Word index where the removal log starts: a ring of the key hashes of the last
+REMOVAL_LOG_SLOTS committed objects removed; removal n (counted in REMOVALS) is at n
+modulo its length."""
+REMOVAL_LOG_SLOTS = 4096
+HEADER_BYTES = -(-(REMOVAL_LOG + REMOVAL_LOG_SLOTS) * 8 // PAGE) * PAGE
 
 ENTRY_FIELDS = (  # name, dtype: struct of arrays, each `entries` long
     ("state", np.int64),
@@ -194,6 +200,7 @@ class Tables:
         """The header again, for single words."""
         self.links = memoryview(region)[:HEADER_BYTES].cast("q")
         """The header as signed words: NO_LINK (all ones) reads as NONE (-1)."""
+        self.removal_log = self.header[REMOVAL_LOG : REMOVAL_LOG + REMOVAL_LOG_SLOTS]
         self.arrays = Arrays()
         fields = [*ENTRY_FIELDS, *((name, np.int32) for name in LINK_FIELDS)]
         offset = g.index_offset
@@ -260,4 +267,4 @@ class Tables:
         for name in ("buckets", *(n for n, _ in ENTRY_FIELDS), *LINK_FIELDS):
             getattr(self, name).release()
             delattr(self, name)
-        del self.header, self.arrays
+        del self.header, self.arrays, self.removal_log
