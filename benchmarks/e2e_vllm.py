@@ -13,7 +13,9 @@ one token) on a random model large enough that prefill dominates:
 maru's copies (median per prompt, from the connector's counters) are compared
 with plain memcpy measured just before each maru engine (one thread, as the CPU
 worker's copies run, rotating through buffers larger than the KV caches, so DRAM
-and not the CPU cache). Printed as ratios measured in the same run.
+and not the CPU cache). Printed as ratios measured in the same run, and written
+as JSON and as a PNG of the times to first token (`--plot-only` redraws the PNG
+from an existing JSON, running no engines).
 `python benchmarks/e2e_vllm.py --help`.
 """
 
@@ -34,6 +36,8 @@ import torch
 import maru
 from maru.demo import connector_config, model_cache
 from maru.engine import build_tiny_llama, run_engine
+from maru.errors import MaruError
+from maru.plots import e2e_plot, png_destination, require_matplotlib
 
 MODEL = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 8, "head_dim": 64,
          "intermediate": 2816, "vocab": 8192}
@@ -77,7 +81,23 @@ def main() -> int:
                         help="rounded down to whole chunks plus one token")
     parser.add_argument("--prompts", type=int, default=6, help="measured, after a warm-up one")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/e2e_vllm.json"))
+    parser.add_argument("--plot", type=Path,
+                        help="PNG of the times to first token (default: the JSON's path, .png)")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="run no engines: draw --plot from the JSON already at --output")
     args = parser.parse_args()
+    if args.plot_only and not args.output.is_file():
+        parser.error(f"--plot-only: no report at {args.output}; run without --plot-only first")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    try:  # checked before minutes of engines, not after
+        plot = png_destination(args.plot or args.output.with_suffix(".png"))
+        require_matplotlib()
+    except MaruError as exc:
+        parser.error(str(exc))
+    if args.plot_only:
+        e2e_plot(json.loads(args.output.read_text()), plot)
+        print(f"plot written to {plot}")
+        return 0
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -151,8 +171,8 @@ def main() -> int:
                                 for name in ("maru_store", "example_store", "none_again")},
         "maru_hit_same_as_own_hit": runs["maru_hit"].token_ids == runs["own_hit"].token_ids,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
+    e2e_plot(report, plot)
     print(f"{args.prompts} prompts of {length} tokens, 8 layers x 1024 hidden, "
           f"median time to first token:")
     for name, seconds in ttft.items():
@@ -181,7 +201,7 @@ def main() -> int:
           f"example {report['tokens_loaded']['example']}")
     print(f"identical tokens: cold runs {report['cold_runs_identical']}; maru hit = vLLM's own "
           f"hit: {report['maru_hit_same_as_own_hit']}")
-    print(f"written to {args.output}")
+    print(f"written to {args.output} and {plot}")
     same = [report["maru_hit_same_as_own_hit"], *report["cold_runs_identical"].values()]
     return 0 if all(same) else 1
 

@@ -266,11 +266,19 @@ def _watch(store: Any, args: argparse.Namespace) -> Result:
 
 
 def cmd_bench(args: argparse.Namespace) -> Result:
-    """Throughput and latency of a backend, as ratios to memcpy."""
+    """Throughput and latency of a backend, as ratios to memcpy; with --plot, also a PNG."""
     from maru.bench import format_report, run_bench
+    from maru.plots import bench_plot, png_destination, require_matplotlib
 
+    plot = None if args.plot is None else png_destination(args.plot)
+    if plot is not None:  # checked before minutes of measuring, not after
+        require_matplotlib()
     reports = [run_bench(backend, config_file=args.config) for backend in args.backend]
-    return Result(reports, "\n\n".join(format_report(report) for report in reports))
+    text = "\n\n".join(format_report(report) for report in reports)
+    if plot is not None:
+        bench_plot(reports, plot)
+        text += f"\n\nplot written to {plot}"
+    return Result(reports, text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--config", metavar="FILE",
                        help="config file (else MARU_CONFIG); redis: the server to measure")
+    bench.add_argument("--plot", metavar="FILE.png",
+                       help="also draw throughput by object size against memcpy as a PNG "
+                       "(needs matplotlib: pip install 'maru[plot]')")
     bench.set_defaults(run=cmd_bench)
 
     demo = commands.add_parser("demo", parents=[common], help="share a prompt prefix's KV")
