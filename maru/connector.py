@@ -48,6 +48,7 @@ from maru.errors import (
     ObjectTooLargeError,
     PluginError,
 )
+from maru.kv_events import StoreEvents, request_chunk
 from maru.layouts import LayoutError, kv_tensor, recognise
 from maru.model_identity import model_identity
 from maru.namespaces import differing_fields, namespaces, write_record
@@ -309,6 +310,8 @@ class MaruScheduler:
         self._gauges: dict[str, int] = {}
         self._record_at = -RECORD_REFRESH_S
         self._gauges_read_at = -1.0
+        self.events = store_events(vllm_config, config, self.tp_size)
+        self._reset_events: list[Any] = []
         model = vllm_config.model_config
         self.model_identity = model_identity(model.model, model.revision)
         log.info("maru: model %s is %s in the key namespace", model.model, self.model_identity)
@@ -329,7 +332,23 @@ class MaruScheduler:
             log.warning("maru: reset_cache removed nothing: %s: %s", type(exc).__name__, exc)
             return False
         log.info("maru: reset_cache removed %d objects under %s", removed, prefix.decode())
+        if self.events is not None:
+            self._reset_events.extend(self.events.cleared())
         return True
+
+    def take_events(self) -> list[Any]:
+        """KV events since the last step (`maru.kv_events`); none unless vLLM publishes
+        KV events."""
+        if self.events is None:
+            return []
+        taken, self._reset_events = self._reset_events, []
+        store = self.store.available()
+        if store is not None:
+            try:
+                taken.extend(self.events.poll(store))
+            except Exception as exc:  # events are best effort: never fail a step for them
+                self.store.failed(exc)
+        return taken
 
     def report(self) -> MaruConnectorStats | None:
         """The stats since the last report, with the store's gauges (read at most once a
@@ -515,6 +534,9 @@ class MaruScheduler:
                 meta.saves.append(ChunkTransfer(state.keys[chunk], block_ids,
                                                 req_id=state.request.request_id))
                 state.saving = True
+                if self.events is not None:
+                    self.events.planned(state.keys[chunk], request_chunk(
+                        state.request, chunk, k, self.block_size))
         state.planned_chunks = max(state.planned_chunks, complete)
 
     def request_finished(self, request: Any) -> bool:
@@ -522,6 +544,21 @@ class MaruScheduler:
         its saves done (`get_finished`)."""
         state = self.requests.pop(request.request_id, None)
         return state is not None and state.saving
+
+
+def store_events(vllm_config: VllmConfig, config: MaruConfig, tp_size: int
+                 ) -> StoreEvents | None:
+    """The KV-event tracker, where vLLM publishes KV events and lets connectors add to
+    them; None (and nothing tracked) otherwise."""
+    events_config = getattr(vllm_config, "kv_events_config", None)
+    if not (events_config and events_config.enable_kv_cache_events):
+        return None
+    if not hasattr(KVConnectorBase_V1, "take_events"):
+        log.info("maru: this vLLM takes no KV events from connectors: routers following "
+                 "its KV events do not see what maru stores (loads and saves are unaffected)")
+        return None
+    return StoreEvents(f"maru:{config.backend}", vllm_config.cache_config.block_size,
+                       lambda key: [rank_key(key, rank) for rank in range(tp_size)])
 
 
 def namespace_parts(vllm_config: VllmConfig, config: MaruConfig, layout: str,
@@ -1048,6 +1085,14 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        if self._scheduler is not None and self._scheduler.events is not None:
+            self._scheduler.events.settled(set(connector_output.finished_sending or ()))
+
+    def take_events(self) -> list[Any]:
+        return self._scheduler.take_events() if self._scheduler is not None else []
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -255,3 +255,119 @@ def test_a_reset_with_the_connector_clears_only_this_instances_namespace(harness
     assert f"reset_cache removed {len(ours)} objects" in caplog.text
     assert h.store.contains(ours) == [False] * len(ours)
     assert h.store.contains(others) == [True] * 3, "another model's namespace stays"
+
+
+# --- KV events ---------------------------------------------------------------
+
+
+def maru_events(h: SchedulerHarness, kind: str) -> list:
+    """The maru events of one kind vLLM published (its own block events left out)."""
+    return [e for e in h.published
+            if type(e).__name__ == kind and (e.medium or "").startswith("maru:")]
+
+
+def as_published(blocks) -> list:
+    """Block hashes as vLLM's own KV events carry them (ints by default, else bytes)."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return [maybe_convert_block_hash(block) for block in blocks]
+
+
+def evict_from_shm(pool: str, keys: list[bytes]) -> None:
+    """In another process: delete these objects from the shared-memory pool."""
+    import maru
+
+    with maru.open_store(backend="shm", shm={"name": pool}) as store:
+        for key in keys:
+            assert store.delete(key)
+
+
+def test_saved_chunks_are_announced_with_their_blocks_once_the_store_has_them(harness) -> None:
+    h = harness(kv_events=True)
+    prompt = tokens(300)
+    request = h.add("a", prompt)
+    h.step()
+    stored = maru_events(h, "BlockStored")
+    assert len(stored) == 4, "one event per whole chunk saved"
+    hashes = as_published(request.block_hashes)
+    for chunk, event in enumerate(stored):
+        assert event.medium == "maru:mock"
+        assert event.block_size == vllm_harness.BLOCK_SIZE
+        assert event.block_hashes == hashes[2 * chunk:2 * chunk + 2]
+        assert event.parent_block_hash == (hashes[2 * chunk - 1] if chunk else None)
+        assert event.token_ids == prompt[CHUNK * chunk:CHUNK * (chunk + 1)]
+    h.step()
+    assert len(maru_events(h, "BlockStored")) == 4, "announced once"
+
+
+def test_a_save_that_never_reached_the_store_is_never_announced(harness, monkeypatch) -> None:
+    h = harness(kv_events=True)
+    request = h.add("a", tokens(300))
+    lost = rank_key(h.chunk_keys(request)[1], 0)
+    put = h.store.put
+    monkeypatch.setattr(h.store, "put", lambda key, data: key != lost and put(key, data))
+    h.step()
+    h.step()  # the worker reports the request's saves done
+    announced = [e.block_hashes for e in maru_events(h, "BlockStored")]
+    hashes = as_published(request.block_hashes)
+    assert announced == [hashes[0:2], hashes[4:6], hashes[6:8]]
+    assert h.connector._scheduler.events._planned == {}, "forgotten once the worker is done"
+
+
+def test_chunks_another_process_evicts_are_removed_through_the_log(harness, pool_names,
+                                                                    monkeypatch) -> None:
+    import multiprocessing
+
+    import maru
+
+    pool = pool_names()
+    h = harness(kv_events=True, backend="shm", pool=pool)
+    monkeypatch.setattr(maru.Backend, "keys", lambda *_: pytest.fail("the store was scanned"))
+    request = h.add("a", tokens(300))
+    h.step()
+    keys = [rank_key(key, 0) for key in h.chunk_keys(request)]
+    evictor = multiprocessing.get_context("spawn").Process(target=evict_from_shm,
+                                                           args=(pool, keys[2:]))
+    evictor.start()
+    evictor.join(60)
+    assert evictor.exitcode == 0
+    h.add("b", tokens(40, start=9000))  # any step polls
+    h.step()
+    [removed] = maru_events(h, "BlockRemoved")
+    assert removed.medium == "maru:shm"
+    assert removed.block_hashes == as_published(request.block_hashes[4:8])
+
+
+def test_without_a_removal_log_the_announced_chunks_are_checked(harness, monkeypatch) -> None:
+    from maru.backends.base import Removals
+    from maru.backends.mock import MockBackend
+
+    monkeypatch.setattr(MockBackend, "_removed_since", lambda self, cursor: Removals(0, None))
+    monkeypatch.setattr("maru.kv_events.VERIFY_INTERVAL_S", 0.0)
+    h = harness(kv_events=True)
+    request = h.add("a", tokens(300))
+    h.step()
+    h.store.delete(rank_key(h.chunk_keys(request)[0], 0))
+    h.step()
+    [removed] = maru_events(h, "BlockRemoved")
+    assert removed.block_hashes == as_published(request.block_hashes[0:2])
+
+
+def test_a_reset_removes_every_announced_chunk(harness) -> None:
+    h = harness(kv_events=True)
+    request = h.add("a", tokens(300))
+    h.step()
+    h.step()  # the request's blocks are free: vLLM resets only then
+    assert h.scheduler.reset_prefix_cache(reset_connector=True)
+    h.add("b", tokens(40, start=9000))
+    h.step()
+    [removed] = maru_events(h, "BlockRemoved")
+    assert removed.block_hashes == as_published(request.block_hashes[:8])
+
+
+def test_without_kv_events_nothing_is_tracked(harness) -> None:
+    h = harness()
+    h.add("a", tokens(300))
+    h.step()
+    assert h.connector._scheduler.events is None
+    assert h.connector.take_events() == []

@@ -20,11 +20,13 @@ BLOCK_SIZE = 32
 
 
 def make_vllm_config(model_dir: Any, extra: dict[str, Any], *, num_blocks: int = 200,
-                     max_batched_tokens: int = 2048) -> Any:
-    """A VllmConfig for the tiny model with MaruKVConnector configured by `extra`."""
+                     max_batched_tokens: int = 2048, kv_events: bool = False) -> Any:
+    """A VllmConfig for the tiny model with MaruKVConnector configured by `extra` (and,
+    with `kv_events`, KV events published to a publisher that drops them)."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
@@ -44,6 +46,7 @@ def make_vllm_config(model_dir: Any, extra: dict[str, Any], *, num_blocks: int =
             kv_connector="MaruKVConnector", kv_connector_module_path="maru.connector",
             kv_role="kv_both", kv_connector_extra_config=extra),
         device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
     )
 
 
@@ -67,20 +70,24 @@ def request_parameters() -> set[str]:
 
 
 class SchedulerHarness:
-    """One vLLM scheduler with the maru connector over an in-process mock store."""
+    """One vLLM scheduler with the maru connector over a store (an in-process mock one
+    unless `backend` says otherwise). With `kv_events`, vLLM's KV events are collected in
+    `published`."""
 
     def __init__(self, model_dir: Any, pool: str, *, chunk_tokens: int = 64,
                  max_batched_tokens: int = 2048, num_blocks: int = 200,
-                 mock: dict[str, Any] | None = None) -> None:
+                 mock: dict[str, Any] | None = None, backend: str = "mock",
+                 kv_events: bool = False) -> None:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        extra = {"backend": "mock", "chunk_tokens": chunk_tokens,
-                 "mock": {"name": pool, **(mock or {})}}
+        options = {"name": pool, **(mock or {})} if backend == "mock" else {"name": pool}
+        extra = {"backend": backend, "chunk_tokens": chunk_tokens, backend: options}
         vllm_config = make_vllm_config(model_dir, extra, num_blocks=num_blocks,
-                                       max_batched_tokens=max_batched_tokens)
+                                       max_batched_tokens=max_batched_tokens,
+                                       kv_events=kv_events)
         kv_cache_config = make_kv_cache_config(num_blocks)
         self.scheduler = Scheduler(vllm_config, kv_cache_config,
                                    StructuredOutputManager(vllm_config),
@@ -92,7 +99,11 @@ class SchedulerHarness:
         """Connector stats vLLM handed on in its scheduler stats."""
         self.blocks: dict[str, list[int]] = {}
         self.saving: set[str] = set()
-        self.store = maru.open_store(backend="mock", mock={"name": pool})
+        self.store = maru.open_store(backend=backend, **{backend: {"name": pool}})
+        self.published: list[Any] = []
+        if kv_events:
+            self.scheduler.kv_event_publisher.publish = (
+                lambda batch: self.published.extend(batch.events))
 
     def add(self, req_id: str, tokens: list[int], *, cache_salt: str | None = None,
             max_tokens: int = 1) -> Any:
