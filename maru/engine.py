@@ -400,6 +400,10 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     if job["kv_transfer_config"] is not None:
         llm_kwargs["kv_transfer_config"] = job["kv_transfer_config"]
     llm_kwargs.update(job["llm_kwargs"])
+    if isinstance(llm_kwargs.get("kv_events_config"), dict):  # LLM converts only the other
+        from vllm.config import KVEventsConfig
+
+        llm_kwargs["kv_events_config"] = KVEventsConfig(**llm_kwargs["kv_events_config"])
     llm = LLM(**llm_kwargs)
     startup_s = time.perf_counter() - t0
     built.set()

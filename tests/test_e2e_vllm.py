@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
 
 import maru
 from maru.backends.shm import shm_path
-from maru.engine import build_tiny_llama, run_engine
+from maru.engine import build_tiny_llama, run_engine, start_engine
 from maru.namespaces import RECORD
 from tests.conftest import unique_name
 
@@ -199,6 +200,79 @@ def test_chunks_an_engine_holds_are_saved_again_once_the_store_lost_them(tiny_mo
     engine_b = run_engine(tiny_model, [prompt], kv_transfer_config=config)
     assert engine_b.external_cached_tokens == [4 * CHUNK]
     assert engine_b.token_ids == engine_a.token_ids[2:]
+
+
+def subscribe_to_kv_events(endpoint: str):
+    """A ZMQ subscriber to vLLM's KV event publisher at `endpoint` (an ipc:// one, which
+    the publisher binds; the subscriber may connect first)."""
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(endpoint)
+    return socket
+
+
+def received_events(socket) -> list:
+    """Every event of the batches published so far, in order."""
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    events = []
+    while socket.poll(3000):
+        _topic, _seq, payload = socket.recv_multipart()
+        events.extend(decoder.decode(payload).events)
+    socket.close(linger=0)
+    return events
+
+
+def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_pool,
+                                                                tmp_path):
+    """vLLM publishes maru's BlockStored/BlockRemoved beside its own block events; replayed
+    in order, they name exactly the chunks the pool holds at the end, evictions included."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    chunk_object = 64 + 2 * 2 * (2 * 32 * 128 * 2)  # as in the test above: evictions
+    config = maru_config("shm", shm={"name": shm_pool}, capacity=chunk_object * 13 // 2)
+    other = np.random.default_rng(3).integers(1, 500, 6 * CHUNK + 10).tolist()
+    prompt, short = PROMPTS_A[0], [7] * 20
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    socket = subscribe_to_kv_events(endpoint)
+    events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+    engine = start_engine(tiny_model, [prompt, other, prompt, short], held=True,
+                          kv_transfer_config=config,
+                          llm_kwargs={"kv_events_config": events_config})
+    engine.wait_built()
+    time.sleep(1.0)  # the publisher sees the subscription before the first event
+    run = engine.result()
+    events = received_events(socket)
+    ours = [e for e in events if (e.medium or "").startswith("maru:")]
+    stored = [e for e in ours if type(e).__name__ == "BlockStored"]
+    assert len(stored) == run.extra["connector_totals"]["saves"] == 4 + 6 + 4
+    assert {e.medium for e in ours} == {"maru:shm"}
+    vllms_own = {h for e in events if type(e).__name__ == "BlockStored" and e not in ours
+                 for h in e.block_hashes}
+    assert {h for e in stored for h in e.block_hashes} <= vllms_own, "the same block hashes"
+    assert [e.token_ids for e in stored[:4]] == [prompt[c * CHUNK:(c + 1) * CHUNK]
+                                                for c in range(4)]
+    repeat = next(i for i, e in enumerate(ours) if e is stored[10])  # equal to stored[0]
+    removed_before_repeat = {h for e in ours[:repeat] if type(e).__name__ == "BlockRemoved"
+                             for h in e.block_hashes}
+    assert {h for e in stored[:4] for h in e.block_hashes} <= removed_before_repeat, \
+        "the other prompt's chunks evicted the first ones"
+    live: dict = {}
+    for event in ours:
+        if type(event).__name__ == "BlockStored":
+            live[event.block_hashes[-1]] = event
+        else:
+            for block_hash in event.block_hashes:
+                live.pop(block_hash, None)
+    with maru.open_store(backend="shm", capacity=config["kv_connector_extra_config"]["capacity"],
+                         shm={"name": shm_pool}) as pool:
+        keys = [key for key in pool.keys(b"maru/") if not key.endswith(RECORD)]
+    held = {maybe_convert_block_hash(key[-34:-2]) for key in keys}  # <prefix><hash>@<rank>
+    assert set(live) == held
 
 
 def test_the_weights_not_the_path_decide_what_is_shared(tiny_model, baseline, tmp_path,
