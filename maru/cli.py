@@ -129,6 +129,29 @@ def cmd_demo(args: argparse.Namespace) -> Result:
 POOL_ACTIONS = ("create", "stats", "namespaces", "clear", "destroy")
 
 
+def cmd_doctor(args: argparse.Namespace) -> Result:
+    """Would an instance with this config (and vLLM command line) share what the store
+    holds? Exit 1 if the store holds namespaces and it would share with none."""
+    from maru import doctor
+
+    command = args.vllm_command[1:] if args.vllm_command[:1] == ["--"] else args.vllm_command
+    expectation = doctor.expect(args.config, command)
+    with _open_existing(expectation.config) as store:
+        diagnosis = doctor.diagnose(store, expectation)
+    shares = bool(diagnosis.shares_with) or not diagnosis.peers
+    return Result(doctor.report(diagnosis), doctor.format_diagnosis(diagnosis),
+                  EXIT_OK if shares else EXIT_FAILURE)
+
+
+def _open_existing(config: Any) -> Any:
+    """The configured store, without creating a pool that does not exist."""
+    from maru.backends.pool import PoolBackend
+    from maru.plugins import get_plugin_manager
+
+    backend = get_plugin_manager().backend(config.backend)
+    return backend(config, create=False) if issubclass(backend, PoolBackend) else backend(config)
+
+
 def _open_pool(config_file: str | None, action: str) -> Any:
     from maru.backends.pool import PoolBackend
     from maru.plugins import get_plugin_manager
@@ -313,6 +336,15 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--namespace", metavar="NAME",
                       help="clear: only this namespace ('default' or 'default/DIGEST')")
     pool.set_defaults(run=cmd_pool)
+
+    doctor = commands.add_parser(
+        "doctor", parents=[common], help="would an instance share what the store holds?",
+        description="Compare the namespace an instance would use with those in the store "
+        "and say which field keeps them apart. Give the instance's vLLM command line "
+        "after -- to compare everything but the layout (else only maru's own fields).")
+    doctor.add_argument("--config", metavar="FILE", help="config file (else MARU_CONFIG)")
+    doctor.add_argument("vllm_command", nargs=argparse.REMAINDER, metavar="-- vllm serve ...")
+    doctor.set_defaults(run=cmd_doctor)
 
     bench = commands.add_parser("bench", parents=[common], help="benchmark backends")
     bench.add_argument(

@@ -396,10 +396,7 @@ class MaruScheduler:
 
     def record(self) -> dict[str, Any]:
         """This instance's namespace record (`maru.namespaces`)."""
-        from vllm import __version__ as vllm_version
-
-        return self.namespace() | {"vllm": vllm_version, "namespace": self._config.namespace,
-                                   "hash_seed_shared": hash_seed_advice(self._vllm_config) is None}
+        return namespace_record(self._vllm_config, self._config, self.namespace())
 
     def keep_record(self, store: maru.Backend) -> None:
         """Write the namespace record once the layout is known, then refresh its time of
@@ -579,6 +576,16 @@ def namespace_parts(vllm_config: VllmConfig, config: MaruConfig, layout: str,
         "tp_size": vllm_config.parallel_config.tensor_parallel_size,
         "hash_algorithm": algorithm, "hash_seed": none_hash_hex(),
     }
+
+
+def namespace_record(vllm_config: VllmConfig, config: MaruConfig,
+                     parts: dict[str, Any]) -> dict[str, Any]:
+    """An instance's namespace record: the parts its key digest covers, its tenant, whether
+    its block-hash seed is the same in every process, and the vLLM release."""
+    from vllm import __version__ as vllm_version
+
+    return parts | {"vllm": vllm_version, "namespace": config.namespace,
+                    "hash_seed_shared": hash_seed_advice(vllm_config) is None}
 
 
 def none_hash_hex() -> str:

@@ -6,6 +6,7 @@ connector: maru may only change how much is computed, never a token.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -335,3 +336,19 @@ def test_an_instance_says_why_it_does_not_share_with_its_models_other_namespaces
     assert main(["pool", "namespaces", "--config", str(config)]) == 0
     listed = capsys.readouterr().out
     assert all(ns.name in listed for ns in found) and "last active" in listed
+    doctor = ["doctor", "--json", "--", "vllm", "serve", str(tiny_model), "--block-size", "32",
+              "--kv-transfer-config", json.dumps(maru_config("shm", shm={"name": shm_pool}))]
+    assert main(doctor) == 0
+    diagnosis = json.loads(capsys.readouterr().out)
+    [same] = [ns for ns in found if ns.record["chunk_tokens"] == CHUNK]
+    assert diagnosis["shares_with"] == [same.name]
+    assert diagnosis["instance"] == {name: value for name, value in same.record.items()
+                                     if name not in ("layout", "active")}, \
+        "the doctor predicts the record the engine wrote"
+    differs = {ns["name"]: ns["differs"] for ns in diagnosis["namespaces"]}
+    assert [d for d in differs.values() if d] == [
+        {"chunk_tokens": {"here": CHUNK, "there": 2 * CHUNK}}]
+    doctor[doctor.index("32")] = "64"
+    doctor.remove("--json")
+    assert main(doctor) == 1
+    assert "block_size is 64 here, 32 there" in capsys.readouterr().out

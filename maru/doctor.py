@@ -1,0 +1,188 @@
+"""`maru doctor`: would an instance share the KV a store holds, and if not, which field
+keeps it apart ("why no hit?").
+
+From maru's configuration alone it knows the tenant (`namespace`) and `chunk_tokens`.
+Given the instance's vLLM command line (read by vLLM's own parser, so `--config
+vllm.yaml` works too) it works out the rest of the namespace record as the engine
+would: model identity, dtypes, block size, TP size, hash algorithm and seed, and
+maru's configuration from `--kv-transfer-config`. The layout fingerprint exists only
+once an engine has allocated its KV cache, so it is shown, not compared.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from maru.config import MaruConfig, load_config
+from maru.errors import ConfigError
+from maru.namespaces import Namespace, differing_fields, namespaces
+
+FROM_VLLM = ("model", "dtype", "kv_dtype", "block_size", "tp_size", "hash_algorithm",
+             "hash_seed", "hash_seed_shared")
+"""Record fields only the vLLM configuration decides."""
+LAYOUT_NOTE = "known once an engine has allocated its KV cache"
+
+
+@dataclass
+class Expectation:
+    """What an instance's namespace record will say, as far as it is known here."""
+
+    config: MaruConfig
+    record: dict[str, Any]
+    not_compared: dict[str, str]
+    """Record fields not known here, and why."""
+    advice: str | None = None
+    """What makes block hashes match across processes, if they cannot here."""
+
+
+@dataclass
+class Diagnosis:
+    """The expectation against every namespace in the store."""
+
+    expectation: Expectation
+    peers: list[tuple[Namespace, dict[str, tuple]]] = field(default_factory=list)
+    """Each namespace with a record, and the known fields that differ (none: shares)."""
+    unrecorded: list[Namespace] = field(default_factory=list)
+
+    @property
+    def shares_with(self) -> list[Namespace]:
+        return [namespace for namespace, differs in self.peers if not differs]
+
+
+def expect(config_file: str | None, vllm_command: list[str]) -> Expectation:
+    """The record an instance with this maru config (and vLLM command line) will write."""
+    if not vllm_command:
+        config = load_config(config_file)
+        unknown = dict.fromkeys(FROM_VLLM, "needs the vLLM command line, after --")
+        return Expectation(config, _maru_fields(config), unknown | {"layout": LAYOUT_NOTE})
+    vllm_config = vllm_config_from_command(vllm_command)
+    transfer = vllm_config.kv_transfer_config
+    extra = dict(transfer.kv_connector_extra_config or {}) if transfer else {}
+    config = load_config(config_file, extra_config=extra)
+    return _expect_from_vllm(vllm_config, config)
+
+
+def _maru_fields(config: MaruConfig) -> dict[str, Any]:
+    return {"namespace": config.namespace, "chunk_tokens": config.chunk_tokens}
+
+
+def _expect_from_vllm(vllm_config: Any, config: MaruConfig) -> Expectation:
+    """The record as the connector's scheduler half computes it, the layout aside."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    from maru.connector import hash_seed_advice, namespace_parts, namespace_record
+    from maru.model_identity import model_identity
+
+    init_none_hash(get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo))
+    model = vllm_config.model_config
+    parts = namespace_parts(vllm_config, config, "", model_identity(model.model, model.revision))
+    record = namespace_record(vllm_config, config, parts)
+    del record["layout"]
+    return Expectation(config, record, {"layout": LAYOUT_NOTE}, hash_seed_advice(vllm_config))
+
+
+def vllm_config_from_command(command: list[str]) -> Any:
+    """vLLM's configuration for a `vllm serve MODEL ...` command line (the leading `vllm
+    serve` may be left out), resolved by vLLM itself."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    words = list(command)
+    for word in ("vllm", "serve"):
+        if words and words[0] == word:
+            words.pop(0)
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
+    parser.add_argument("model_tag", nargs="?")
+    parser.error = _command_line_error  # type: ignore[method-assign]
+    args = parser.parse_args(words)
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.model_tag:
+        engine_args.model = args.model_tag
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # vLLM logs to stdout, where --json goes
+    try:
+        return engine_args.create_engine_config()
+    except Exception as exc:
+        raise ConfigError(f"vLLM command line {' '.join(command)!r}: vLLM says: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        logging.disable(disabled)
+
+
+def _command_line_error(message: str) -> None:
+    raise ConfigError(f"vLLM command line: {message}; allowed: what `vllm serve` takes")
+
+
+def diagnose(store: Any, expectation: Expectation) -> Diagnosis:
+    """Compare the expected record, field by known field, with each namespace's record."""
+    diagnosis = Diagnosis(expectation)
+    ours = expectation.record
+    for namespace in namespaces(store):
+        if not namespace.record:
+            diagnosis.unrecorded.append(namespace)
+            continue
+        theirs = {name: namespace.record.get(name) for name in ours}
+        diagnosis.peers.append((namespace, differing_fields(ours, theirs)))
+    return diagnosis
+
+
+def report(diagnosis: Diagnosis) -> dict[str, Any]:
+    """The diagnosis as JSON-ready data."""
+    expectation = diagnosis.expectation
+    return {
+        "instance": expectation.record,
+        "not_compared": expectation.not_compared,
+        "hash_seed_advice": expectation.advice,
+        "namespaces": [
+            {"name": ns.name, "objects": ns.objects, "active": ns.record.get("active"),
+             "layout": ns.record.get("layout"), "shares": not differs,
+             "differs": {name: {"here": ours, "there": theirs}
+                         for name, (ours, theirs) in differs.items()}}
+            for ns, differs in diagnosis.peers],
+        "without_record": [ns.name for ns in diagnosis.unrecorded],
+        "shares_with": [ns.name for ns in diagnosis.shares_with],
+    }
+
+
+def format_diagnosis(diagnosis: Diagnosis) -> str:
+    """The diagnosis for people: this instance, each namespace, and the verdict."""
+    expectation = diagnosis.expectation
+    lines = ["this instance: " + ", ".join(f"{name} {value}" for name, value
+                                           in sorted(expectation.record.items()))]
+    reasons: dict[str, list[str]] = {}
+    for name, why in sorted(expectation.not_compared.items()):
+        reasons.setdefault(why, []).append(name)
+    lines.extend(f"not compared ({why}): {', '.join(names)}" for why, names in reasons.items())
+    if expectation.advice:
+        lines.append(f"block hashes differ in every process here: {expectation.advice}")
+    for namespace, differs in diagnosis.peers:
+        head = f"{namespace.name}: {namespace.objects} objects, last active " \
+               f"{_when(namespace.record.get('active'))}"
+        if differs:
+            lines.append(f"{head}: would not share: " + "; ".join(
+                f"{name} is {ours!r} here, {theirs!r} there"
+                for name, (ours, theirs) in differs.items()))
+        else:
+            lines.append(f"{head}: would share (layout there: {namespace.record.get('layout')})")
+    lines.extend(f"{ns.name}: {ns.objects} objects, no record (written by a maru that keeps "
+                 "none): cannot say" for ns in diagnosis.unrecorded)
+    lines.append(_verdict(diagnosis))
+    return "\n".join(lines)
+
+
+def _verdict(diagnosis: Diagnosis) -> str:
+    sharing = diagnosis.shares_with
+    if sharing:
+        return "=> would share with " + ", ".join(f"{ns.name} ({ns.objects} objects)"
+                                                 for ns in sharing)
+    if not diagnosis.peers:
+        return "=> the store holds no namespace records yet: nothing to share with"
+    return f"=> would share with none of the {len(diagnosis.peers)} namespaces in the store"
+
+
+def _when(timestamp: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else "?"

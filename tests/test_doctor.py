@@ -1,0 +1,71 @@
+"""`maru doctor`: which namespaces in the store an instance would share, and why not.
+
+The comparison against a real engine's record is in test_e2e_vllm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import maru
+from maru.cli import main
+from maru.namespaces import write_record
+
+
+@pytest.fixture
+def pool(pool_names, monkeypatch):
+    """A pool holding two namespaces' records (chunk_tokens 64 and 128), and the
+    environment that points maru at it."""
+    name = pool_names()
+    monkeypatch.setenv("MARU_SHM__NAME", name)
+    monkeypatch.setenv("MARU_CAPACITY", "16MiB")
+    monkeypatch.setenv("MARU_CHUNK_TOKENS", "64")
+    with maru.open_store(backend="shm", capacity="16MiB", shm={"name": name}) as store:
+        for digest, chunk_tokens in (("aaaa", 64), ("bbbb", 128)):
+            write_record(store, f"maru/default/{digest}/".encode(),
+                         {"namespace": "default", "chunk_tokens": chunk_tokens, "model": "m"})
+        store.put(b"maru/default/aaaa/chunk@0", b"kv")
+        yield store
+
+
+def test_without_a_vllm_command_line_it_compares_maru_s_own_fields(pool, capsys) -> None:
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "default/aaaa: 1 objects" in out and "would share" in out
+    assert "default/bbbb: 0 objects" in out
+    assert "would not share: chunk_tokens is 64 here, 128 there" in out
+    assert "=> would share with default/aaaa (1 objects)" in out
+    assert "needs the vLLM command line, after --): block_size, dtype" in out
+
+
+def test_it_exits_1_when_it_would_share_with_none(pool, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("MARU_CHUNK_TOKENS", "256")
+    assert main(["doctor", "--json"]) == 1
+    found = json.loads(capsys.readouterr().out)
+    assert found["shares_with"] == []
+    assert {ns["name"]: ns["differs"] for ns in found["namespaces"]} == {
+        "default/aaaa": {"chunk_tokens": {"here": 256, "there": 64}},
+        "default/bbbb": {"chunk_tokens": {"here": 256, "there": 128}}}
+
+
+def test_another_tenant_is_the_field_that_differs(pool, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("MARU_NAMESPACE", "tenant-b")
+    assert main(["doctor"]) == 1
+    assert "namespace is 'tenant-b' here, 'default' there" in capsys.readouterr().out
+
+
+def test_a_bad_vllm_command_line_is_a_usage_error(pool, capsys) -> None:
+    assert main(["doctor", "--", "vllm", "serve", "m", "--block-size", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM command line: argument --block-size: invalid int value: 'x'" in err
+
+
+def test_a_pool_that_does_not_exist_is_not_created(pool_names, monkeypatch, capsys) -> None:
+    name = pool_names()
+    monkeypatch.setenv("MARU_SHM__NAME", name)
+    assert main(["doctor"]) == 1
+    assert f"shm pool '{name}'" in capsys.readouterr().err
+    from maru.backends.shm import shm_path
+
+    assert not shm_path(name).exists()
