@@ -91,7 +91,8 @@ clean:
 # starts on a free loopback port and stops afterwards.
 bench: $(STAMP) redis-server
 	PYTHON=$(BIN)/python tools/with-redis-server \
-	  $(BIN)/maru bench --backend shm --backend cxl --backend redis --backend mock
+	  $(BIN)/maru bench --backend shm --backend cxl --backend redis --backend mock \
+	  --plot benchmarks/results/bench.png
 	$(BIN)/python benchmarks/e2e_vllm.py
 
 # The data path on a CUDA machine (no vLLM needed): round trips and throughput.
