@@ -138,7 +138,7 @@ def maru_requirements() -> list[str]:
     """maru's own requirements and the test tools', without vLLM (the release brings it)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    listed = [*project["dependencies"], *extras["redis"], *extras["test"]]
+    listed = [*project["dependencies"], *extras["redis"], *extras["plot"], *extras["test"]]
     return [r for r in listed if not r.startswith(("maru", "ruff"))]
 
 
