@@ -79,6 +79,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.maru")
 """Under "vllm" so that vLLM's log configuration shows maru's lines with its own."""
 
+OPTIONAL_HOOKS = {
+    "build_prom_metrics": "maru's Prometheus metrics (its counters still reach vLLM's stats)",
+    "take_events": "KV events for routers",
+    "reset_cache": "clearing the store through /reset_prefix_cache",
+}
+"""Connector hooks of recent vLLM releases, and what is missing where a release lacks one."""
+
 RECORD_REFRESH_S = 60.0
 """How often an active instance refreshes its namespace record's time of activity."""
 HEADER_BYTES = 64
@@ -316,6 +323,7 @@ class MaruScheduler:
         self.model_identity = model_identity(model.model, model.revision)
         log.info("maru: model %s is %s in the key namespace", model.model, self.model_identity)
         warn_if_hash_seed_is_per_process(vllm_config)
+        say_what_this_release_lacks()
         self.store.available()  # at start-up: a new pool is set up here, not in a request
 
     def reset(self) -> bool:
@@ -551,11 +559,29 @@ def store_events(vllm_config: VllmConfig, config: MaruConfig, tp_size: int
     if not (events_config and events_config.enable_kv_cache_events):
         return None
     if not hasattr(KVConnectorBase_V1, "take_events"):
-        log.info("maru: this vLLM takes no KV events from connectors: routers following "
-                 "its KV events do not see what maru stores (loads and saves are unaffected)")
-        return None
+        return None  # said at start-up (`say_what_this_release_lacks`)
     return StoreEvents(f"maru:{config.backend}", vllm_config.cache_config.block_size,
                        lambda key: [rank_key(key, rank) for rank in range(tp_size)])
+
+
+def missing_hooks() -> list[str]:
+    """What this vLLM release cannot ask of a connector, in words."""
+    missing = [what for hook, what in OPTIONAL_HOOKS.items()
+               if not hasattr(KVConnectorBase_V1, hook)]
+    if CacheHitSource is None:
+        missing.append("hit counts by source (loaded tokens count as external prefix-cache "
+                       "hits only)")
+    return missing
+
+
+def say_what_this_release_lacks() -> None:
+    """Say once, at start-up, which optional hooks this vLLM lacks: the connector runs
+    without them, and no KV is lost."""
+    from vllm import __version__ as vllm_version
+
+    if missing := missing_hooks():
+        log.info("maru: vLLM %s lacks %s; loads and saves work as ever, nothing is lost",
+                 vllm_version, "; ".join(missing))
 
 
 def namespace_parts(vllm_config: VllmConfig, config: MaruConfig, layout: str,

@@ -371,3 +371,24 @@ def test_without_kv_events_nothing_is_tracked(harness) -> None:
     h.step()
     assert h.connector._scheduler.events is None
     assert h.connector.take_events() == []
+
+
+def test_a_release_without_the_optional_hooks_still_shares_and_says_so(harness, monkeypatch,
+                                                                       caplog) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    for hook in ("build_prom_metrics", "take_events", "reset_cache"):
+        monkeypatch.delattr(KVConnectorBase_V1, hook)
+    monkeypatch.setattr("maru.connector.CacheHitSource", None)
+    with caplog.at_level(logging.INFO, logger="vllm.maru"):
+        h = harness(kv_events=True)
+    assert ("lacks maru's Prometheus metrics (its counters still reach vLLM's stats); KV "
+            "events for routers; clearing the store through /reset_prefix_cache; hit counts "
+            "by source") in caplog.text
+    assert "nothing is lost" in caplog.text
+    assert h.connector._scheduler.events is None
+    h.add("first", tokens(300))
+    h.step()
+    h.add("second", tokens(300))
+    _, meta = h.step()
+    assert len(meta.loads) == 4, "it still shares"
