@@ -220,14 +220,14 @@ def _populated(store: Any) -> dict[str, Any]:
 
 def _namespaces_result(store: Any) -> Result:
     """The namespaces in the pool: objects, last activity, and what their keys are made of."""
-    from maru.namespaces import namespaces
+    from maru.namespaces import last_active, namespaces
 
     found = namespaces(store)
     lines = []
     for namespace in found:
         record = dict(namespace.record)
-        active = record.pop("active", None)
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(active)) if active else "?"
+        when = last_active(record)
+        record.pop("active", None)
         lines.append(f"{namespace.name}  objects {namespace.objects}  last active {when}")
         lines.extend(f"    {key:<18} {value}" for key, value in sorted(record.items()))
         if not record:

@@ -12,13 +12,12 @@ once an engine has allocated its KV cache, so it is shown, not compared.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from maru.config import MaruConfig, load_config
 from maru.errors import ConfigError
-from maru.namespaces import Namespace, differing_fields, namespaces
+from maru.namespaces import Namespace, differing_fields, last_active, namespaces
 
 FROM_VLLM = ("model", "dtype", "kv_dtype", "block_size", "tp_size", "hash_algorithm",
              "hash_seed", "hash_seed_shared")
@@ -161,7 +160,7 @@ def format_diagnosis(diagnosis: Diagnosis) -> str:
         lines.append(f"block hashes differ in every process here: {expectation.advice}")
     for namespace, differs in diagnosis.peers:
         head = f"{namespace.name}: {namespace.objects} objects, last active " \
-               f"{_when(namespace.record.get('active'))}"
+               f"{last_active(namespace.record)}"
         if differs:
             lines.append(f"{head}: would not share: " + "; ".join(
                 f"{name} is {ours!r} here, {theirs!r} there"
@@ -182,7 +181,3 @@ def _verdict(diagnosis: Diagnosis) -> str:
     if not diagnosis.peers:
         return "=> the store holds no namespace records yet: nothing to share with"
     return f"=> would share with none of the {len(diagnosis.peers)} namespaces in the store"
-
-
-def _when(timestamp: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if timestamp else "?"

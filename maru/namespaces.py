@@ -74,6 +74,12 @@ def namespaces(store: Backend, other_than: str | None = None) -> list[Namespace]
     return sorted(found, key=lambda ns: (-ns.objects, ns.name))
 
 
+def last_active(record: dict[str, Any]) -> str:
+    """When the record's instance was last active, in local time ("?" if it never said)."""
+    active = record.get("active")
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(active)) if active else "?"
+
+
 def _decoded(data: bytes | None) -> dict[str, Any]:
     try:
         return json.loads(data or b"{}")
