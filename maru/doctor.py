@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru.config import MaruConfig, load_config
-from maru.errors import ConfigError
+from maru.errors import ConfigError, MaruError
 from maru.namespaces import Namespace, differing_fields, last_active, namespaces
 
 FROM_VLLM = ("model", "dtype", "kv_dtype", "block_size", "tp_size", "hash_algorithm",
@@ -94,7 +94,14 @@ def vllm_config_from_command(command: list[str]) -> Any:
     for word in ("vllm", "serve"):
         if words and words[0] == word:
             words.pop(0)
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
+    try:
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
+    except Exception as exc:  # e.g. a CUDA build of vLLM on a machine without a GPU
+        from vllm import __version__ as vllm_version
+
+        raise MaruError(f"vLLM {vllm_version} cannot build its configuration on this machine "
+                        f"({type(exc).__name__}: {exc}); run maru doctor where the instance "
+                        "runs") from exc
     parser.add_argument("model_tag", nargs="?")
     parser.error = _command_line_error  # type: ignore[method-assign]
     args = parser.parse_args(words)

@@ -55,6 +55,7 @@ def test_another_tenant_is_the_field_that_differs(pool, monkeypatch, capsys) -> 
     assert "namespace is 'tenant-b' here, 'default' there" in capsys.readouterr().out
 
 
+@pytest.mark.platform
 def test_a_bad_vllm_command_line_is_a_usage_error(pool, capsys) -> None:
     assert main(["doctor", "--", "vllm", "serve", "m", "--block-size", "x"]) == 2
     err = capsys.readouterr().err
@@ -69,3 +70,16 @@ def test_a_pool_that_does_not_exist_is_not_created(pool_names, monkeypatch, caps
     from maru.backends.shm import shm_path
 
     assert not shm_path(name).exists()
+
+
+def test_a_vllm_that_cannot_configure_this_machine_is_named(pool, monkeypatch, capsys) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    def no_platform(parser):
+        raise RuntimeError("Failed to infer device type")
+
+    monkeypatch.setattr(EngineArgs, "add_cli_args", staticmethod(no_platform))
+    assert main(["doctor", "--", "vllm", "serve", "m"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot build its configuration on this machine (RuntimeError: Failed to infer " \
+           "device type); run maru doctor where the instance runs" in err
