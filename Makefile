@@ -12,11 +12,16 @@ ERA_ENGINES    := 0.18.1 0.28.0
 ERA_NEIGHBOURS := 0.31.0
 ERA_SCHEDULERS := 0.33.0
 ERA_STAMPS     := $(foreach r,$(ERA_ENGINES) $(ERA_NEIGHBOURS) $(ERA_SCHEDULERS),.venv-vllm-$(r)/.maru-era)
+# Tests marked cuda need an NVIDIA GPU. Where there is none (no nvidia-smi) every lane
+# leaves them out and says so; run by hand without a GPU, they fail.
+HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+NOT_CUDA := $(if $(HAVE_GPU),,and not cuda)
+GPU_NOTE := $(if $(HAVE_GPU),true,echo "no NVIDIA GPU here (no nvidia-smi): the tests marked cuda are left out")
 # What each release runs: the quick lane (every test but the slow ones: the layouts, the
 # real Scheduler, the worker, and all that needs no vLLM), and on engines the era check;
 # the CUDA wheel leaves out what needs vLLM to resolve this CPU machine (marker platform).
-ERA_TESTS        := -m "not slow and not platform"
-ERA_ENGINE_TESTS := -m "not slow or era"
+ERA_TESTS        := -m "not slow and not platform $(NOT_CUDA)"
+ERA_ENGINE_TESTS := -m "(not slow or era) $(NOT_CUDA)"
 
 .PHONY: check test test-eras eras demo bench bench-gpu lint venv clean redis-server tcmalloc
 
@@ -66,11 +71,13 @@ eras: $(ERA_STAMPS)
 
 # The quick lane: everything but the tests marked slow (vLLM engines, process churn).
 check: lint redis-server
-	$(BIN)/python -m pytest -m "not slow"
+	@$(GPU_NOTE)
+	$(BIN)/python -m pytest -m "not slow $(NOT_CUDA)"
 
 # The whole suite, slow tests included, then the release matrix; CI runs this.
 test: lint redis-server eras
-	$(BIN)/python -m pytest
+	@$(GPU_NOTE)
+	$(BIN)/python -m pytest $(if $(HAVE_GPU),,-m "not cuda")
 	$(MAKE) --no-print-directory test-eras
 
 test-eras: eras

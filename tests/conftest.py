@@ -142,3 +142,15 @@ def pool_names():
     yield make
     for name in names:
         shm_path(name).unlink(missing_ok=True)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked cuda fails, saying what it needs, on a machine without a GPU (the
+    Makefile leaves them out there)."""
+    if item.get_closest_marker("cuda") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.fail("needs an NVIDIA GPU with CUDA, and this machine has none: run it on "
+                        "one (`.venv/bin/python -m pytest -m cuda`), or leave it out with "
+                        "-m 'not cuda' as `make check` and `make test` do here")

@@ -21,8 +21,7 @@ from tests.test_layouts import BUILTINS, NB, ROWS, block_dim_of, filled
 LAYERS = 3
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA device on this machine")),
+    pytest.param("cuda", marks=pytest.mark.cuda),
 ]
 BLOCK_IDS = {
     "consecutive": ([4, 5, 6], [8, 9, 10]),
