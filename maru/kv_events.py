@@ -13,7 +13,6 @@ VERIFY_INTERVAL_S. The medium is `maru:<backend>`.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,8 +20,6 @@ from typing import Any
 
 import maru
 from maru.backends.base import key_digest
-
-log = logging.getLogger("vllm.maru")
 
 VERIFY_INTERVAL_S = 1.0
 """How often the announced chunks are checked where the store keeps no removal log."""
