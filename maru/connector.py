@@ -48,7 +48,7 @@ from maru.errors import (
     ObjectTooLargeError,
     PluginError,
 )
-from maru.kv_events import StoreEvents, request_chunk
+from maru.kv_events import StoreEvents, chunks_held, request_chunk
 from maru.layouts import LayoutError, kv_tensor, recognise
 from maru.model_identity import model_identity
 from maru.namespaces import differing_fields, namespaces, write_record
@@ -317,7 +317,7 @@ class MaruScheduler:
         self._gauges: dict[str, int] = {}
         self._record_at = -RECORD_REFRESH_S
         self._gauges_read_at = -1.0
-        self.events = store_events(vllm_config, config, self.tp_size)
+        self.events = store_events(vllm_config, config, self.shares)
         self._reset_events: list[Any] = []
         model = vllm_config.model_config
         self.model_identity = model_identity(model.model, model.revision)
@@ -473,17 +473,19 @@ class MaruScheduler:
         store = self.store.available()
         if store is None:
             return None
-        ranked = [rank_key(key, rank) for key in keys for rank in range(self.tp_size)]
         try:
-            found = store.contains(ranked)
+            held = chunks_held(store, keys, self.shares)
         except Exception as exc:
             self.stats.add(lookups=1, lookup_errors=1)
             self.store.failed(exc)
             return None
         self.stats.add(lookups=1)
         self.keep_record(store)
-        n = self.tp_size
-        return [all(found[index * n:(index + 1) * n]) for index in range(len(keys))]
+        return held
+
+    def shares(self, key: bytes) -> list[bytes]:
+        """A chunk key's objects in the store: one per tensor-parallel rank."""
+        return [rank_key(key, rank) for rank in range(self.tp_size)]
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -551,8 +553,8 @@ class MaruScheduler:
         return state is not None and state.saving
 
 
-def store_events(vllm_config: VllmConfig, config: MaruConfig, tp_size: int
-                 ) -> StoreEvents | None:
+def store_events(vllm_config: VllmConfig, config: MaruConfig,
+                 shares: Callable[[bytes], list[bytes]]) -> StoreEvents | None:
     """The KV-event tracker, where vLLM publishes KV events and lets connectors add to
     them; None (and nothing tracked) otherwise."""
     events_config = getattr(vllm_config, "kv_events_config", None)
@@ -560,8 +562,7 @@ def store_events(vllm_config: VllmConfig, config: MaruConfig, tp_size: int
         return None
     if not hasattr(KVConnectorBase_V1, "take_events"):
         return None  # said at start-up (`say_what_this_release_lacks`)
-    return StoreEvents(f"maru:{config.backend}", vllm_config.cache_config.block_size,
-                       lambda key: [rank_key(key, rank) for rank in range(tp_size)])
+    return StoreEvents(f"maru:{config.backend}", vllm_config.cache_config.block_size, shares)
 
 
 def missing_hooks() -> list[str]:

@@ -109,12 +109,7 @@ class StoreEvents:
         return events
 
     def _held(self, store: maru.Backend, keys: list[bytes]) -> list[bool]:
-        """Per chunk key: does the store hold every rank's share?"""
-        if not keys:
-            return []
-        shares = [self._shares(key) for key in keys]
-        found = iter(store.contains([share for group in shares for share in group]))
-        return [all([next(found) for _ in group]) for group in shares]
+        return chunks_held(store, keys, self._shares)
 
     def _announce(self, key: bytes, chunk: Chunk) -> None:
         self._announced[key] = chunk.block_hashes
@@ -144,6 +139,17 @@ class StoreEvents:
             parent_block_hash=external_hash(parent) if parent is not None else None,
             token_ids=chunk.token_ids, block_size=self.block_size,
             lora_id=chunk.lora_id, medium=self.medium, lora_name=chunk.lora_name)
+
+
+def chunks_held(store: maru.Backend, keys: list[bytes],
+                shares: Callable[[bytes], list[bytes]]) -> list[bool]:
+    """Per chunk key: does the store hold every one of its shares (one per tensor-parallel
+    rank)? One `contains` for all of them."""
+    if not keys:
+        return []
+    groups = [shares(key) for key in keys]
+    found = iter(store.contains([share for group in groups for share in group]))
+    return [all([next(found) for _ in group]) for group in groups]
 
 
 def external_hash(block_hash: bytes) -> Any:
