@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -112,10 +113,15 @@ def test_the_makefile_installs_through_the_bootstrap_without_an_extra_index() ->
 
 
 def test_make_check_leaves_out_only_slow_tests_and_make_test_runs_all() -> None:
+    """All but what this machine cannot run: the cuda tests where there is no GPU."""
+    gpu = shutil.which("nvidia-smi") is not None
     pytest_runs = [line for line in make_dry_run("check").splitlines() if "-m pytest" in line]
-    assert pytest_runs == ['.venv/bin/python -m pytest -m "not slow"']
+    assert pytest_runs == ['.venv/bin/python -m pytest -m "not slow' +
+                           ('"' if gpu else ' and not cuda"')]
     pytest_runs = [line for line in make_dry_run("test").splitlines() if "-m pytest" in line]
-    assert pytest_runs[0] == ".venv/bin/python -m pytest"
+    assert pytest_runs[0] == ".venv/bin/python -m pytest" + ("" if gpu else ' -m "not cuda"')
+    assert all(gpu or line.endswith('not cuda"; \\') for line in pytest_runs[1:]), \
+        "no GPU: every release's lane leaves out the cuda tests"
     assert all("-m pytest -p no:cacheprovider -m" in line for line in pytest_runs[1:]), \
         "then the quick lane (and the era check) in each release of the matrix"
     era_loops = make_dry_run("test-eras")
