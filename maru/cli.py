@@ -206,7 +206,8 @@ def cmd_pool(args: argparse.Namespace) -> Result:
 def _populated(store: Any) -> dict[str, Any]:
     """Wait for the new mapping to be populated (a progress line on stderr); what the
     pool's memory got: huge pages or not, populated or not."""
-    from maru.backends.pool import format_size, memory_of
+    from maru.backends.pool import memory_of
+    from maru.sizes import format_size
 
     memory = memory_of(store.pool)
 
@@ -252,7 +253,7 @@ RATES = ("hits", "misses", "evictions")
 def watch_line(report: dict[str, Any], rates: dict[str, float]) -> str:
     """One refresh of `pool stats --watch` for people: sizes in KiB/MiB/GiB, rates per
     second, and the hit bandwidth estimated from the mean object size."""
-    from maru.backends.pool import format_size
+    from maru.sizes import format_size
 
     mean_object = report["used"] / report["objects"] if report["objects"] else 0
     bandwidth = rates["hits"] * mean_object / 1e9

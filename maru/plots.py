@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from maru.backends.pool import format_size
 from maru.errors import ConfigError, MaruError
+from maru.sizes import format_size
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 import maru
-from maru.config import parse_size, resolve_config
+from maru.config import resolve_config
+from maru.sizes import parse_size
 
 GIB, MIB = 2**30, 2**20
 

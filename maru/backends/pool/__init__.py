@@ -20,7 +20,6 @@ Code outside `maru/backends/` uses only what this module exports.
 from maru.backends.pool.attach import RegionSpec, memory_of
 from maru.backends.pool.backend import PoolBackend, PoolOptions
 from maru.backends.pool.core import Pool
-from maru.backends.pool.memory import format_size
 from maru.backends.pool.region import Geometry
 
 __all__ = [
@@ -29,6 +28,5 @@ __all__ = [
     "PoolBackend",
     "PoolOptions",
     "RegionSpec",
-    "format_size",
     "memory_of",
 ]

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from maru.backends.pool.locks import reset_after_fork
 from maru.errors import BackendError, ConfigError
+from maru.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +48,6 @@ SMAPS = Path("/proc/self/smaps")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
-
-def format_size(nbytes: int) -> str:
-    """`nbytes` for people: '64 MiB', '1.5 GiB'."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.4g} {unit}"
-    return f"{nbytes} bytes"
 
 
 # --- reserving the backing -----------------------------------------------------
