@@ -17,7 +17,7 @@ from typing import Any
 
 from maru.config import MaruConfig, load_config
 from maru.errors import ConfigError, MaruError
-from maru.namespaces import Namespace, differing_fields, last_active, namespaces
+from maru.vllm.records import Namespace, differing_fields, last_active, namespaces
 
 FROM_VLLM = ("model", "dtype", "kv_dtype", "block_size", "tp_size", "hash_algorithm",
              "hash_seed", "hash_seed_shared")
@@ -73,13 +73,17 @@ def _expect_from_vllm(vllm_config: Any, config: MaruConfig) -> Expectation:
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    from maru.connector import hash_seed_advice, namespace_parts, namespace_record
-    from maru.model_identity import model_identity
+    from maru.vllm.identity import (
+        hash_seed_advice,
+        kv_identity,
+        model_identity,
+        namespace_record,
+    )
 
     init_none_hash(get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo))
     model = vllm_config.model_config
-    parts = namespace_parts(vllm_config, config, "", model_identity(model.model, model.revision))
-    record = namespace_record(vllm_config, config, parts)
+    identity = kv_identity(vllm_config, config, "", model_identity(model.model, model.revision))
+    record = namespace_record(vllm_config, config, identity)
     del record["layout"]
     return Expectation(config, record, {"layout": LAYOUT_NOTE}, hash_seed_advice(vllm_config))
 

@@ -486,10 +486,18 @@ def _connector_halves(llm: Any) -> list[Any]:
 
 
 def _connector_description(llm: Any) -> dict[str, Any]:
-    """What both connector halves say of their start-up decisions (maru's `describe`)."""
+    """What maru's connector halves decided at start-up: the layout adapter and
+    fingerprint a worker found, the identity the scheduler's namespace covers."""
     described: dict[str, Any] = {}
-    for half in _connector_halves(llm):
-        described.update(getattr(half, "describe", dict)())
+    for connector in _connector_halves(llm):
+        worker = getattr(connector, "worker_half", None)
+        scheduler = getattr(connector, "scheduler_half", None)
+        if worker is not None:
+            transfers = worker.transfers
+            described["layout_adapter"] = transfers.adapter.name if transfers else None
+            described["layout_fingerprint"] = worker.fingerprint
+        if scheduler is not None:
+            described["identity"] = scheduler.identity()
     return described
 
 
@@ -524,11 +532,13 @@ def _kv_cache_container(llm: Any) -> str | None:
 
 
 def _connector_totals(llm: Any) -> dict[str, float]:
-    """Lifetime counters of both connector halves, if the connector keeps them (maru's do)."""
+    """Both maru connector halves' counters since start-up, summed."""
     totals: dict[str, float] = {}
-    for half in _connector_halves(llm):
-        for name, value in getattr(half, "lifetime_stats", dict)().items():
-            totals[name] = totals.get(name, 0) + value
+    for connector in _connector_halves(llm):
+        for half in (getattr(connector, "worker_half", None),
+                     getattr(connector, "scheduler_half", None)):
+            for name, value in (half.stats.lifetime if half is not None else {}).items():
+                totals[name] = totals.get(name, 0) + value
     return totals
 
 

@@ -14,5 +14,9 @@ ROOT = "vllm.maru"
 
 def get_logger(module: str) -> logging.Logger:
     """The logger of a maru module (`__name__`): `maru.backends.tiered` logs as
-    `vllm.maru.backends.tiered`."""
-    return logging.getLogger(f"{ROOT}.{module.removeprefix('maru').lstrip('.')}".rstrip("."))
+    `vllm.maru.backends.tiered`, `maru.vllm.worker` as `vllm.maru.worker`."""
+    for package in ("maru.vllm", "maru"):
+        if module == package or module.startswith(package + "."):
+            module = module[len(package):]
+            break
+    return logging.getLogger(ROOT + module)

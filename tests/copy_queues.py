@@ -50,3 +50,17 @@ class DeferredMarker(Marker):
         self.queue.run_until(self.position)
 
     hold_compute = wait
+
+
+class FailingQueue(CopyQueue):
+    """Runs the first `after` copies at once, as the CPU does; every later one fails as a
+    broken device copy would."""
+
+    def __init__(self, after: int) -> None:
+        self.left = after
+
+    def run(self, copy: Callable[[], None]) -> None:
+        if self.left <= 0:
+            raise RuntimeError("copy failed")
+        self.left -= 1
+        copy()

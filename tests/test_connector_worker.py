@@ -8,16 +8,12 @@ import pytest
 import torch
 
 import maru
-from maru.connector import (
-    HEADER_BYTES,
-    NO_DATA_PATH,
-    ChunkTransfer,
-    MaruConnectorMetadata,
-    MaruKVConnector,
-    rank_key,
-)
+from maru.connector import MaruKVConnector
+from maru.transfer import TransferEngine
+from maru.vllm.keys import HEADER_BYTES, rank_key
+from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruConnectorMetadata
 from tests.conftest import unique_name
-from tests.copy_queues import DeferredQueue
+from tests.copy_queues import DeferredQueue, FailingQueue
 from tests.vllm_harness import make_kv_cache_config, make_vllm_config
 
 NB, LAYERS = 40, 3
@@ -36,15 +32,17 @@ def kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
 
 
 def worker(tiny_model, pool: str, caches: dict[str, torch.Tensor], *, tp_size: int = 1,
-           settings: dict | None = None, **mock) -> MaruKVConnector:
-    """A worker-role connector over mock store `pool` (no distributed setup)."""
+           settings: dict | None = None, queue=None, **mock) -> MaruKVConnector:
+    """A worker-role connector over mock store `pool` (no distributed setup); its copies
+    go through `queue` if given (else the device's own)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     extra = {"backend": "mock", "chunk_tokens": 64, "mock": {"name": pool, **mock},
              **(settings or {})}
     config = make_vllm_config(tiny_model, extra)
     config.parallel_config.tensor_parallel_size = tp_size
-    connector = MaruKVConnector(config, KVConnectorRole.WORKER, make_kv_cache_config(NB))
+    connector = MaruKVConnector(config, KVConnectorRole.WORKER, make_kv_cache_config(NB),
+                                transfers=lambda adapter: TransferEngine(adapter, queue))
     connector.register_kv_caches(caches)
     return connector
 
@@ -107,14 +105,12 @@ def test_the_object_is_one_chunk_of_every_layer_with_a_header(tiny_model, pool) 
     assert len(data) == HEADER_BYTES + 2 * LAYERS * page
 
 
-def test_an_incomplete_save_is_never_visible(tiny_model, pool, monkeypatch) -> None:
-    writer = worker(tiny_model, pool, kv_caches(1))
+def test_an_incomplete_save_is_never_visible(tiny_model, pool) -> None:
+    writer = worker(tiny_model, pool, kv_caches(1), queue=FailingQueue(after=1))
     meta = MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])])
     writer.bind_connector_metadata(meta)
-    writer.save_kv_layer(LAYER_NAMES[0], None, None)
-    monkeypatch.setattr(writer._worker.engine, "_save_layer",
-                        lambda *args: (_ for _ in ()).throw(RuntimeError("copy failed")))
-    writer.wait_for_save()
+    writer.save_kv_layer(LAYER_NAMES[0], None, None)  # the first layer's copy runs
+    writer.wait_for_save()  # the second one fails
     with maru.open_store(backend="mock", mock={"name": pool}) as store:
         assert store.contains([rank_key(b"k0", 0)]) == [False]
         assert store.stats().used == 0, "the reservation was released"
@@ -162,7 +158,7 @@ def test_after_an_error_the_store_is_skipped_for_the_back_off(tiny_model, pool) 
     reader = worker(tiny_model, pool, kv_caches(None), fail_rate=1.0)
     failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [1, 2])]))
     assert failed == {1, 2}
-    store = reader._worker.store.available()
+    store = reader.worker.store.available()
     assert store is None, "backing off"
 
 
@@ -181,11 +177,13 @@ def test_an_unknown_layout_disables_the_connector_with_one_clear_error(tiny_mode
 
 
 def test_stats_aggregate_across_workers_and_reduce_for_vllm_logs() -> None:
-    from maru.connector import MaruConnectorStats
+    from maru.vllm.stats import LOAD_ERRORS, LOAD_SECONDS, LOADS, MaruConnectorStats
 
     first = MaruKVConnector.build_kv_connector_stats({"loads": 2, "loaded_bytes": 100})
     second = MaruConnectorStats()
-    second.add(loads=1, load_seconds=0.123456, load_errors=1)
+    second.add(LOADS)
+    second.add(LOAD_SECONDS, 0.123456)
+    second.add(LOAD_ERRORS)
     merged = first.aggregate(second).reduce()
     assert (merged["loads"], merged["loaded_bytes"], merged["load_errors"]) == (3, 100, 1)
     assert merged["load_seconds"] == 0.1235
@@ -195,12 +193,17 @@ def test_stats_aggregate_across_workers_and_reduce_for_vllm_logs() -> None:
 
 
 def test_latencies_join_and_the_latest_store_gauges_win_across_reports() -> None:
-    from maru.connector import MaruConnectorStats
+    from maru.vllm.stats import (
+        LOAD_LATENCIES,
+        STORE_OBJECTS,
+        STORE_USED,
+        MaruConnectorStats,
+    )
 
     worker, scheduler = MaruConnectorStats(), MaruConnectorStats()
-    worker.observe("load_latencies", 0.002)
-    scheduler.observe("load_latencies", 0.004)
-    scheduler.data.update(store_objects=5, store_used=100)
+    worker.observe(LOAD_LATENCIES, 0.002)
+    scheduler.observe(LOAD_LATENCIES, 0.004)
+    scheduler.set_gauges({STORE_OBJECTS: 5, STORE_USED: 100})
     merged = worker.aggregate(scheduler)
     assert merged.data["load_latencies"] == [0.002, 0.004]
     later = MaruConnectorStats({"store_objects": 7})
@@ -222,7 +225,7 @@ def test_a_per_process_hash_seed_is_reported_once_with_advice_for_the_release(
         tiny_model, caplog, monkeypatch, version, algorithm, seed, advice) -> None:
     import vllm
 
-    from maru.connector import warn_if_hash_seed_is_per_process
+    from maru.vllm.identity import warn_if_hash_seed_is_per_process
 
     if seed is None:
         monkeypatch.delenv("PYTHONHASHSEED", raising=False)
@@ -241,17 +244,11 @@ def test_a_per_process_hash_seed_is_reported_once_with_advice_for_the_release(
         assert not any("or use" in message for message in messages), "sha256 is no cure there"
 
 
-def test_a_copy_that_fails_mid_step_never_reaches_vllm(tiny_model, pool, monkeypatch) -> None:
+def test_a_copy_that_fails_mid_step_never_reaches_vllm(tiny_model, pool) -> None:
     source = kv_caches(1)
     run_step(worker(tiny_model, pool, source),
              MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
-    reader = worker(tiny_model, pool, kv_caches(None))
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("copy failed")
-
-    monkeypatch.setattr(reader._worker.engine, "_load_layer", broken)
-    monkeypatch.setattr(reader._worker.engine, "_save_layer", broken)
+    reader = worker(tiny_model, pool, kv_caches(None), queue=FailingQueue(after=0))
     failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])],
                                                     saves=[ChunkTransfer(b"k1", [1, 2])]))
     assert failed == {11, 12}
@@ -269,7 +266,7 @@ def test_an_object_too_big_for_a_chunk_is_a_miss_not_a_store_error(tiny_model, p
         reader = worker(tiny_model, pool, kv_caches(None))
         failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [1, 2])]))
     assert failed == {1, 2}
-    assert reader._worker.store.available() is not None, "no back-off for a miss"
+    assert reader.worker.store.available() is not None, "no back-off for a miss"
 
 
 def test_an_invalid_key_is_not_taken_for_a_miss(tiny_model, pool, caplog) -> None:
@@ -281,7 +278,7 @@ def test_an_invalid_key_is_not_taken_for_a_miss(tiny_model, pool, caplog) -> Non
             assert failed == {1, 2}
     errors = logged_errors(caplog)
     assert len(errors) == 1 and "InvalidKeyError" in errors[0], errors
-    assert reader._worker.store.available() is None, "off for good, even with no back-off"
+    assert reader.worker.store.available() is None, "off for good, even with no back-off"
 
 
 def test_a_store_that_cannot_open_as_configured_turns_the_worker_off_once(
@@ -300,7 +297,7 @@ def test_a_store_that_cannot_open_as_configured_turns_the_worker_off_once(
                 assert failed == {1, 2}
     assert len(opened) == 1, "a ConfigError is not retried"
     messages = [r.getMessage() for r in caplog.records
-                if r.name == "vllm.maru" and r.levelno >= logging.WARNING]
+                if r.name.startswith("vllm.maru") and r.levelno >= logging.WARNING]
     assert len(messages) == 1 and "ConfigError" in messages[0], messages
     assert "worker half is off" in messages[0] and "capacity" in messages[0]
 
@@ -324,9 +321,8 @@ def test_an_unknown_rank_with_tensor_parallelism_turns_the_worker_off(tiny_model
 
 def test_a_save_is_committed_and_its_blocks_released_only_once_copied(tiny_model, pool) -> None:
     source = kv_caches(1)
-    writer = worker(tiny_model, pool, source)
     queue = DeferredQueue()  # a stream that has not run the copies yet
-    writer._worker.engine.queue = queue
+    writer = worker(tiny_model, pool, source, queue=queue)
     run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7], req_id="r")]))
     key = rank_key(b"k0", 0)
     with maru.open_store(backend="mock", mock={"name": pool}) as store:
@@ -356,14 +352,13 @@ def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model,
              MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7]),
                                           ChunkTransfer(b"k1", [1, 2])]))
     store = maru.open_store(**shm)
-    reader = worker(tiny_model, "unused", target, settings=shm)
-
     def recycle() -> None:  # while the copies run, k1 is evicted and its memory reused
         size = len(store.get(rank_key(b"k1", 0)))
         assert store.delete(rank_key(b"k1", 0))
         assert store.put(b"other", bytes(size))
 
-    reader._worker.engine.queue = DeferredQueue(meanwhile=recycle)
+    reader = worker(tiny_model, "unused", target, settings=shm,
+                    queue=DeferredQueue(meanwhile=recycle))
     failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12]),
                                                            ChunkTransfer(b"k1", [20, 21])]))
     assert failed == {20, 21}, "exactly the recycled chunk's blocks are recomputed"

@@ -11,7 +11,7 @@ import pytest
 import maru.demo
 from maru.backends.shm import SHM_DIR, shm_path
 from maru.cli import main
-from maru.connector import HEADER_BYTES, HEADER_MAGIC
+from maru.vllm.keys import HEADER_BYTES, HEADER_MAGIC
 
 
 @pytest.fixture

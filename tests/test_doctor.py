@@ -10,7 +10,7 @@ import pytest
 
 import maru
 from maru.cli import main
-from maru.namespaces import write_record
+from maru.vllm.records import write_record
 
 
 @pytest.fixture

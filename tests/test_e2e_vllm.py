@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import pytest
 import maru
 from maru.backends.shm import shm_path
 from maru.engine import build_tiny_llama, run_engine, start_engine
-from maru.namespaces import RECORD
+from maru.vllm.keys import parse_key
 from tests.conftest import unique_name
 
 pytestmark = pytest.mark.slow
@@ -205,13 +204,28 @@ def test_chunks_an_engine_holds_are_saved_again_once_the_store_lost_them(tiny_mo
 
 def subscribe_to_kv_events(endpoint: str):
     """A ZMQ subscriber to vLLM's KV event publisher at `endpoint` (an ipc:// one, which
-    the publisher binds; the subscriber may connect first)."""
+    the publisher binds; the subscriber may connect first), and a monitor of its
+    connection (`wait_until_connected`)."""
     import zmq
 
     socket = zmq.Context.instance().socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     socket.connect(endpoint)
-    return socket
+    return socket, monitor
+
+
+def wait_until_connected(socket, monitor, timeout_s: float = 120.0) -> None:
+    """Wait for the subscriber's handshake with the publisher: its subscription goes out
+    with it, so batches published from then on reach it."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    try:
+        assert monitor.poll(timeout_s * 1000), "the publisher never accepted the subscriber"
+        recv_monitor_message(monitor)
+    finally:
+        socket.disable_monitor()
+        monitor.close(linger=0)
 
 
 def received_events(socket) -> list:
@@ -239,13 +253,13 @@ def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_
     other = np.random.default_rng(3).integers(1, 500, 6 * CHUNK + 10).tolist()
     prompt, short = PROMPTS_A[0], [7] * 20
     endpoint = f"ipc://{tmp_path}/kv-events"
-    socket = subscribe_to_kv_events(endpoint)
+    socket, monitor = subscribe_to_kv_events(endpoint)
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
     engine = start_engine(tiny_model, [prompt, other, prompt, short], held=True,
                           kv_transfer_config=config,
                           llm_kwargs={"kv_events_config": events_config})
     engine.wait_built()
-    time.sleep(1.0)  # the publisher sees the subscription before the first event
+    wait_until_connected(socket, monitor)
     run = engine.result()
     events = received_events(socket)
     ours = [e for e in events if (e.medium or "").startswith("maru:")]
@@ -271,8 +285,9 @@ def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_
                 live.pop(block_hash, None)
     with maru.open_store(backend="shm", capacity=config["kv_connector_extra_config"]["capacity"],
                          shm={"name": shm_pool}) as pool:
-        keys = [key for key in pool.keys(b"maru/") if not key.endswith(RECORD)]
-    held = {maybe_convert_block_hash(key[-34:-2]) for key in keys}  # <prefix><hash>@<rank>
+        chunks = [parse_key(key) for key in pool.keys(b"maru/")]
+    held = {maybe_convert_block_hash(chunk.block_hash) for chunk in chunks
+            if not chunk.is_record}
     assert set(live) == held
 
 
@@ -310,7 +325,7 @@ def test_tensor_parallel_ranks_store_and_load_only_their_own_share(tiny_model, s
     store = maru.load_config(backend="shm", capacity="256MiB", shm={"name": shm_pool})
     with maru.open_store(store) as pool:
         assert pool.stats().hits == 2 * chunks, "each rank loaded its own share of each chunk"
-        objects = [key for key in pool.keys(b"maru/") if not key.endswith(RECORD)]
+        objects = [key for key in pool.keys(b"maru/") if not parse_key(key).is_record]
         assert sorted(key[-2:] for key in objects) == [b"@0"] * chunks + [b"@1"] * chunks
         assert {len(pool.get(key)) for key in objects} == {64 + share}, "a rank's half + header"
 
@@ -318,7 +333,7 @@ def test_tensor_parallel_ranks_store_and_load_only_their_own_share(tiny_model, s
 def test_an_instance_says_why_it_does_not_share_with_its_models_other_namespaces(
         tiny_model, shm_pool, tmp_path, capsys):
     from maru.cli import main
-    from maru.namespaces import namespaces
+    from maru.vllm.records import namespaces
 
     run_engine(tiny_model, PROMPTS_A[:1],
                kv_transfer_config=maru_config("shm", shm={"name": shm_pool}))

@@ -8,7 +8,7 @@ import shutil
 import huggingface_hub
 
 from maru.engine import build_tiny_llama
-from maru.model_identity import model_identity
+from maru.vllm.identity import model_identity
 
 
 def test_a_copy_of_the_weights_elsewhere_is_the_same_model(tiny_model, tmp_path) -> None:

@@ -47,7 +47,7 @@ def test_releases_whose_hashes_and_pages_agree_share(tiny_model, pool_config, re
     reader = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=pool_config, env=env)
     own_hit = run_engine(tiny_model, PROMPTS_A + PROMPTS_B).token_ids[len(PROMPTS_A):]
     assert (writer.extra["vllm_version"], reader.extra["vllm_version"]) == (release, "0.32.0")
-    assert writer.extra["connector"]["namespace"] == reader.extra["connector"]["namespace"]
+    assert writer.extra["connector"]["identity"] == reader.extra["connector"]["identity"]
     assert reader.external_cached_tokens == [SHARED, 0, 0]
     assert reader.token_ids == own_hit
 
@@ -63,7 +63,7 @@ def test_releases_whose_hashes_or_pages_differ_never_share(tiny_model, pool_conf
                                 kv_transfer_config=pool_config, env=HASH_SEED)
     other_seed = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=pool_config)
     for reader, differs_in in ((other_pages, {"layout"}), (other_seed, {"hash_seed"})):
-        namespaces = [run.extra["connector"]["namespace"] for run in (writer, reader)]
-        assert differing(*namespaces) == differs_in
+        identities = [run.extra["connector"]["identity"] for run in (writer, reader)]
+        assert differing(*identities) == differs_in
         assert reader.external_cached_tokens == [0, 0, 0]
         assert reader.extra["connector_totals"]["lookups"] == 3, "it looked, and missed"

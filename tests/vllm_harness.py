@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 import maru
-from maru.connector import STAT_FIELDS, MaruConnectorMetadata, rank_key
+from maru.vllm.keys import rank_key
+from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.stats import COUNTED
 
 BLOCK_SIZE = 32
 
@@ -144,7 +146,7 @@ class SchedulerHarness:
             kv_connector_output=KVConnectorOutput(finished_sending=saved)))
         for outputs in engine_outputs.values():
             reported = outputs.scheduler_stats and outputs.scheduler_stats.kv_connector_stats
-            for name in STAT_FIELDS:
+            for name in COUNTED:
                 self.forwarded[name] = self.forwarded.get(name, 0) + (reported or {}).get(name, 0)
         return output, meta
 
@@ -152,8 +154,8 @@ class SchedulerHarness:
     def stats(self) -> dict[str, float]:
         """What vLLM handed on, plus what the scheduler half holds for its next report
         (vLLM <= 0.23 forwards it only together with a worker's stats)."""
-        pending = self.connector._scheduler.stats.data
-        return {name: self.forwarded.get(name, 0) + pending[name] for name in STAT_FIELDS}
+        pending = self.connector.scheduler.stats.data
+        return {name: self.forwarded.get(name, 0) + pending[name] for name in COUNTED}
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -171,7 +173,7 @@ class SchedulerHarness:
         return self.blocks[req_id]
 
     def chunk_keys(self, request: Any) -> list[bytes]:
-        return self.connector._scheduler.chunk_keys(request)
+        return self.connector.scheduler.chunk_keys(request)
 
     def close(self) -> None:
         self.store.close()

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import maru
-from maru.backends.base import key_digest
+from maru.backends.base import Backend, key_digest
 
 VERIFY_INTERVAL_S = 1.0
 """How often the announced chunks are checked where the store keeps no removal log."""
@@ -64,7 +63,7 @@ class StoreEvents:
         still lacks after the next poll were not saved, and are forgotten."""
         self._settled |= req_ids
 
-    def poll(self, store: maru.Backend) -> list[Any]:
+    def poll(self, store: Backend) -> list[Any]:
         """The events since the last poll: removals first, then new chunks."""
         events = self._removed(self._gone(store))
         events.extend(self._stored(store))
@@ -76,7 +75,7 @@ class StoreEvents:
         self._planned.clear()
         return events
 
-    def _gone(self, store: maru.Backend) -> list[bytes]:
+    def _gone(self, store: Backend) -> list[bytes]:
         """Announced chunks the store no longer holds, from its removal log where it
         keeps one."""
         removals = store.removed_since(self._cursor)
@@ -93,7 +92,7 @@ class StoreEvents:
         return [key for key, held in zip(candidates, self._held(store, candidates),
                                          strict=True) if not held]
 
-    def _stored(self, store: maru.Backend) -> list[Any]:
+    def _stored(self, store: Backend) -> list[Any]:
         """`BlockStored` for each planned chunk the store now holds."""
         keys = list(self._planned)
         events = []
@@ -108,7 +107,7 @@ class StoreEvents:
         self._settled.clear()
         return events
 
-    def _held(self, store: maru.Backend, keys: list[bytes]) -> list[bool]:
+    def _held(self, store: Backend, keys: list[bytes]) -> list[bool]:
         return chunks_held(store, keys, self._shares)
 
     def _announce(self, key: bytes, chunk: Chunk) -> None:
@@ -141,7 +140,7 @@ class StoreEvents:
             lora_id=chunk.lora_id, medium=self.medium, lora_name=chunk.lora_name)
 
 
-def chunks_held(store: maru.Backend, keys: list[bytes],
+def chunks_held(store: Backend, keys: list[bytes],
                 shares: Callable[[bytes], list[bytes]]) -> list[bool]:
     """Per chunk key: does the store hold every one of its shares (one per tensor-parallel
     rank)? One `contains` for all of them."""

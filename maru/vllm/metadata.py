@@ -1,0 +1,44 @@
+"""What travels between the halves: the scheduler's plan for each step, to the workers,
+and each worker's layout, once, to the scheduler. Only keys and block ids travel: the
+pages move between the store and the KV cache inside each worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
+
+NO_DATA_PATH = "unrecognised"
+"""The fingerprint a worker reports when its layout or device has no data path."""
+
+
+@dataclass
+class ChunkTransfer:
+    """One chunk to load or save: its key and the blocks it covers."""
+
+    key: bytes
+    block_ids: list[int]
+    first_block: int = 0
+    """Index, in the chunk, of block_ids[0] (a load may skip locally computed blocks)."""
+    req_id: str = ""
+
+
+@dataclass
+class MaruConnectorMetadata(KVConnectorMetadata):
+    """Scheduler to workers, every step: chunk keys and block ids only."""
+
+    loads: list[ChunkTransfer] = field(default_factory=list)
+    saves: list[ChunkTransfer] = field(default_factory=list)
+    preempted: bool = False
+    """Requests were preempted: their blocks may be reused, so saves still copying
+    from them must finish first."""
+
+
+@dataclass
+class MaruHandshake(KVConnectorHandshakeMetadata):
+    """Worker to scheduler, once: the layout that goes into the key namespace."""
+
+    layout_fingerprint: str

@@ -1,0 +1,350 @@
+"""The scheduler half: lookups, and the plan of what each step loads and saves.
+
+For a new request it looks up, in one batch, which whole chunks the store holds, tells
+vLLM how many tokens it can load, and plans the saves of the chunks the store lacks
+(also those vLLM holds in its own prefix cache: the store may have lost them). It keeps
+the namespace's record in the store, and follows the store for KV events.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from maru.backends.base import Backend
+from maru.config import MaruConfig
+from maru.errors import ConfigError, MaruError
+from maru.log import get_logger
+from maru.vllm import compat, keys
+from maru.vllm.events import StoreEvents, chunks_held, request_chunk
+from maru.vllm.guard import StoreGuard
+from maru.vllm.identity import (
+    kv_identity,
+    model_identity,
+    namespace_record,
+    warn_if_hash_seed_is_per_process,
+)
+from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruConnectorMetadata
+from maru.vllm.records import differing_fields, namespaces, write_record
+from maru.vllm.stats import (
+    HIT_TOKENS,
+    LOOKUP_ERRORS,
+    LOOKUPS,
+    MISS_TOKENS,
+    STORE_CAPACITY,
+    STORE_EVICTIONS,
+    STORE_OBJECTS,
+    STORE_USED,
+    MaruConnectorStats,
+)
+
+log = get_logger(__name__)
+
+RECORD_REFRESH_S = 60.0
+"""How often an active instance refreshes its namespace record's time of activity."""
+GAUGES_REFRESH_S = 1.0
+"""How often the store's own figures are read for the gauges (a remote store's cost a
+round trip)."""
+
+
+@dataclass
+class RequestState:
+    """What the scheduler half remembers about a request between calls."""
+
+    request: Any
+    keys: list[bytes]
+    stored: list[bool]
+    """Per chunk: not to save, as the store held it at the lookup (or, without an answer,
+    vLLM computed it earlier)."""
+    block_ids: list[int] = field(default_factory=list)
+    local_tokens: int = 0
+    planned_chunks: int = 0
+    """Chunks before this one are stored or have had their save planned."""
+    saving: bool = False
+    """A save was planned: the worker reports when it is done, and vLLM keeps the blocks
+    until then."""
+    loads: list[ChunkTransfer] = field(default_factory=list)
+
+
+class MaruScheduler:
+    """Lookups and load/save plans; runs in vLLM's scheduler."""
+
+    def __init__(self, vllm_config: Any, config: MaruConfig) -> None:
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_tokens = config.chunk_tokens
+        if self.chunk_tokens % self.block_size:
+            raise ConfigError(
+                f"chunk_tokens = {self.chunk_tokens}: not a multiple of vLLM's block size "
+                f"({self.block_size}); allowed: a multiple of {self.block_size}"
+            )
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.stats = MaruConnectorStats()
+        self.store = StoreGuard(config, "scheduler", self.stats)
+        self.requests: dict[str, RequestState] = {}
+        self._vllm_config = vllm_config
+        self._config = config
+        self._layout = "unknown"
+        self._prefix: bytes | None = None
+        self._gauges: dict = {}
+        self._record_at = -RECORD_REFRESH_S
+        self._gauges_read_at = -GAUGES_REFRESH_S
+        self.events = store_events(vllm_config, config, self.shares)
+        self._reset_events: list[Any] = []
+        model = vllm_config.model_config
+        self.model_identity = model_identity(model.model, model.revision)
+        log.info("maru: model %s is %s in the key namespace", model.model, self.model_identity)
+        warn_if_hash_seed_is_per_process(vllm_config)
+        compat.say_what_this_release_lacks()
+        store = self.store.available()  # at start-up: a new pool is set up here, not in a request
+        self.medium = store.medium if store is not None else "remote"
+        """Where the store's bytes live (`Backend.medium`), for vLLM's hit sources."""
+
+    def reset(self) -> bool:
+        """Remove this instance's namespace from the store (never another model's or
+        tenant's); False if the store could not."""
+        store = self.store.available()
+        if store is None:
+            log.warning("maru: reset_cache: the store is unavailable; nothing removed")
+            return False
+        prefix = self.key_prefix()
+        try:
+            removed = store.delete_prefix(prefix)
+        except MaruError as exc:
+            log.warning("maru: reset_cache removed nothing: %s: %s", type(exc).__name__, exc)
+            return False
+        log.info("maru: reset_cache removed %d objects under %s", removed, prefix.decode())
+        if self.events is not None:
+            self._reset_events.extend(self.events.cleared())
+        return True
+
+    def take_events(self) -> list[Any]:
+        """KV events since the last step (`maru.vllm.events`); none unless vLLM publishes
+        KV events."""
+        if self.events is None:
+            return []
+        taken, self._reset_events = self._reset_events, []
+        store = self.store.available()
+        if store is not None:
+            try:
+                taken.extend(self.events.poll(store))
+            except Exception as exc:  # events are best effort: never fail a step for them
+                self.store.failed(exc)
+        return taken
+
+    def report(self) -> MaruConnectorStats | None:
+        """The stats since the last report, with the store's latest gauges."""
+        taken = self.stats.take()
+        if taken is None:
+            return None
+        if time.monotonic() - self._gauges_read_at >= GAUGES_REFRESH_S:
+            self._gauges_read_at = time.monotonic()
+            self._read_gauges()
+        taken.set_gauges(self._gauges)
+        return taken
+
+    def _read_gauges(self) -> None:
+        store = self.store.available()
+        try:
+            figures = store.stats() if store is not None else None
+        except Exception as exc:  # gauges are best effort: never fail a step for them
+            log.debug("maru: store stats unavailable: %s", exc)
+            return
+        if figures is not None:
+            self._gauges = {STORE_CAPACITY: figures.capacity, STORE_USED: figures.used,
+                            STORE_OBJECTS: figures.objects, STORE_EVICTIONS: figures.evictions}
+
+    def set_layout(self, fingerprints: set[str]) -> None:
+        """Take the workers' layout fingerprint into the namespace; stop looking up
+        chunks no worker could load (a worker without a data path said why)."""
+        if NO_DATA_PATH in fingerprints:
+            self.store.disabled = True
+            log.info("maru: a worker has no data path for its KV cache; no lookups either")
+        self._layout = ",".join(sorted(fingerprints))
+        self._prefix = None
+
+    def identity(self) -> dict[str, Any]:
+        """What the namespace's digest covers (`maru.vllm.identity.kv_identity`)."""
+        return kv_identity(self._vllm_config, self._config, self._layout, self.model_identity)
+
+    def key_prefix(self) -> bytes:
+        """This instance's namespace: the key prefix of every chunk it loads and saves."""
+        if self._prefix is None:
+            digest = keys.identity_digest(self.identity())
+            self._prefix = keys.namespace_prefix(self._config.namespace, digest)
+            self._record_at = -RECORD_REFRESH_S
+        return self._prefix
+
+    def record(self) -> dict[str, Any]:
+        """This instance's namespace record (`maru.vllm.records`)."""
+        return namespace_record(self._vllm_config, self._config, self.identity())
+
+    def keep_record(self, store: Backend) -> None:
+        """Write the namespace record once the layout is known, then refresh its time of
+        activity at most every RECORD_REFRESH_S; the first time, say how namespaces of the
+        same model in the store differ from this one."""
+        if self._layout == "unknown" or time.monotonic() - self._record_at < RECORD_REFRESH_S:
+            return
+        first = self._record_at < 0
+        self._record_at = time.monotonic()
+        prefix, record = self.key_prefix(), self.record()
+        try:
+            if first:
+                self._compare_with_peers(store, record)
+        except MaruError as exc:  # e.g. a backend that cannot list its keys
+            log.debug("maru: namespaces in the store not compared: %s", exc)
+        try:
+            write_record(store, prefix, record)
+        except MaruError as exc:
+            log.debug("maru: namespace record not kept: %s", exc)
+
+    def _compare_with_peers(self, store: Backend, record: dict[str, Any]) -> None:
+        ours = keys.parse_key(keys.record_key(self.key_prefix()))
+        for peer in namespaces(store, other_than=ours.namespace):
+            if peer.record.get("model") != record["model"]:
+                continue
+            fields = differing_fields(record, peer.record)
+            log.warning("maru: this instance will not share with namespace %s (%d objects, "
+                        "same model): %s", peer.name, peer.objects,
+                        "; ".join(f"{field} is {ours!r} here, {theirs!r} there"
+                                  for field, (ours, theirs) in fields.items()))
+
+    def chunk_keys(self, request: Any) -> list[bytes]:
+        """One key per whole prompt chunk: the hash of its last block (hashes are chained)."""
+        hashes = request.block_hashes
+        count = min(len(hashes) // self.blocks_per_chunk,
+                    request.num_prompt_tokens // self.chunk_tokens)
+        prefix = self.key_prefix()
+        return [keys.chunk_key(prefix, hashes[(c + 1) * self.blocks_per_chunk - 1])
+                for c in range(count)]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond `num_computed_tokens` that can be loaded from the store.
+
+        Every chunk is looked up, also those vLLM holds itself: the store may have
+        lost them (restarted, evicted, down earlier), and then they are saved again.
+        """
+        if self.store.disabled:  # nothing to load, and no worker could save
+            return 0
+        chunk_keys = self.chunk_keys(request)
+        local = num_computed_tokens // self.chunk_tokens
+        stored = self._stored(chunk_keys)
+        if stored is None:  # no answer: take vLLM's own chunks as stored, save the rest
+            stored = [chunk < local for chunk in range(len(chunk_keys))]
+        self.requests[request.request_id] = RequestState(request, chunk_keys, stored,
+                                                         local_tokens=num_computed_tokens)
+        hit_chunks = local
+        while hit_chunks < len(chunk_keys) and stored[hit_chunks]:
+            hit_chunks += 1
+        self.stats.add(MISS_TOKENS, (len(chunk_keys) - hit_chunks) * self.chunk_tokens)
+        hit_tokens = min(hit_chunks * self.chunk_tokens, request.num_prompt_tokens - 1)
+        return max(0, hit_tokens - num_computed_tokens)
+
+    def _stored(self, chunk_keys: list[bytes]) -> list[bool] | None:
+        """Per chunk, whether the store holds every rank's share; None if it cannot say."""
+        if not chunk_keys:
+            return []
+        store = self.store.available()
+        if store is None:
+            return None
+        try:
+            held = chunks_held(store, chunk_keys, self.shares)
+        except Exception as exc:
+            self.stats.add(LOOKUPS)
+            self.stats.add(LOOKUP_ERRORS)
+            self.store.failed(exc)
+            return None
+        self.stats.add(LOOKUPS)
+        self.keep_record(store)
+        return held
+
+    def shares(self, key: bytes) -> list[bytes]:
+        """A chunk key's objects in the store: one per tensor-parallel rank."""
+        return [keys.rank_key(key, rank) for rank in range(self.tp_size)]
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        """Plan the loads of the external tokens into the allocated blocks."""
+        state = self.requests.get(request.request_id)
+        if state is None:
+            return
+        state.block_ids = list(block_ids)
+        state.loads = []
+        if num_external_tokens <= 0:
+            return
+        self.stats.add(HIT_TOKENS, num_external_tokens)
+        first_block = state.local_tokens // self.block_size
+        end_block = -(-(state.local_tokens + num_external_tokens) // self.block_size)
+        for chunk in range(first_block // self.blocks_per_chunk,
+                           -(-end_block // self.blocks_per_chunk)):
+            start = max(first_block, chunk * self.blocks_per_chunk)
+            stop = min(end_block, (chunk + 1) * self.blocks_per_chunk)
+            state.loads.append(ChunkTransfer(state.keys[chunk], state.block_ids[start:stop],
+                                             start - chunk * self.blocks_per_chunk))
+
+    def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
+        """This step's loads and the saves of every chunk that completes in it."""
+        meta = MaruConnectorMetadata(
+            preempted=bool(getattr(scheduler_output, "preempted_req_ids", None)))
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self.requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan(state, new.num_computed_tokens + scheduled[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            new_block_ids = cached.new_block_ids[index]
+            if req_id in getattr(cached, "resumed_req_ids", ()):
+                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
+            elif new_block_ids:
+                state.block_ids.extend(new_block_ids[0])
+            self._plan(state, cached.num_computed_tokens[index] + scheduled[req_id], meta)
+        return meta
+
+    def _plan(self, state: RequestState, computed: int, meta: MaruConnectorMetadata) -> None:
+        meta.loads.extend(state.loads)
+        state.loads = []
+        complete = min(computed // self.chunk_tokens, len(state.keys))
+        k = self.blocks_per_chunk
+        for chunk in range(state.planned_chunks, complete):
+            block_ids = state.block_ids[chunk * k:(chunk + 1) * k]
+            if not state.stored[chunk] and len(block_ids) == k:
+                meta.saves.append(ChunkTransfer(state.keys[chunk], block_ids,
+                                                req_id=state.request.request_id))
+                state.saving = True
+                if self.events is not None:
+                    self.events.planned(state.keys[chunk], request_chunk(
+                        state.request, chunk, k, self.block_size))
+        state.planned_chunks = max(state.planned_chunks, complete)
+
+    def saves_settled(self, req_ids: set[str]) -> None:
+        """The workers reported these requests' saves done (for the KV events)."""
+        if self.events is not None:
+            self.events.settled(req_ids)
+
+    def request_finished(self, request: Any) -> bool:
+        """Forget the request; True if vLLM must keep its blocks until the worker reports
+        its saves done (`get_finished`)."""
+        state = self.requests.pop(request.request_id, None)
+        return state is not None and state.saving
+
+    def close(self) -> None:
+        log.info("maru: scheduler half since start-up: %s", self.stats.lifetime)
+        self.store.close()
+
+
+def store_events(vllm_config: Any, config: MaruConfig,
+                 shares: Any) -> StoreEvents | None:
+    """The KV-event tracker, where vLLM publishes KV events and lets connectors add to
+    them; None (and nothing tracked) otherwise."""
+    events_config = getattr(vllm_config, "kv_events_config", None)
+    if not (events_config and events_config.enable_kv_cache_events):
+        return None
+    if not compat.has_hook("take_events"):
+        return None  # said at start-up (`compat.say_what_this_release_lacks`)
+    return StoreEvents(f"maru:{config.backend}", vllm_config.cache_config.block_size, shares)

@@ -1,0 +1,364 @@
+"""The worker half: copies chunks between the store and the KV cache, in each worker.
+
+One object per chunk per tensor-parallel rank holds every layer's pages behind a header
+(`maru.vllm.keys.object_header`): a save writes it into a reservation layer by layer and
+commits it only when whole, a load checks its header and copies it into the chunk's
+blocks. How bytes move is `maru.transfer`'s business; the worker takes a factory for
+its transfer engine, so a test can hand it one with a slowed-down or failing queue.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from maru.backends.base import Backend
+from maru.config import MaruConfig
+from maru.layouts import LayoutAdapter, LayoutError, kv_tensor, recognise
+from maru.log import get_logger
+from maru.plugins import get_plugin_manager
+from maru.transfer import (
+    Blocks,
+    ChunkCopy,
+    Marker,
+    TransferEngine,
+    UnsupportedDeviceError,
+    host_tensor,
+    pin,
+)
+from maru.vllm.compat import tensor_parallel_rank
+from maru.vllm.guard import StoreGuard
+from maru.vllm.keys import HEADER_BYTES, object_header, rank_key
+from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruHandshake
+from maru.vllm.stats import (
+    LOAD_ERRORS,
+    LOAD_LATENCIES,
+    LOAD_SECONDS,
+    LOADED_BYTES,
+    LOADS,
+    SAVE_ERRORS,
+    SAVE_LATENCIES,
+    SAVE_SECONDS,
+    SAVED_BYTES,
+    SAVES,
+    MaruConnectorStats,
+)
+
+log = get_logger(__name__)
+
+TransferFactory = Callable[[LayoutAdapter], TransferEngine]
+"""Makes the transfer engine for the layout a worker recognised."""
+
+
+@dataclass
+class PendingLoad:
+    """A chunk whose pages are being copied into its blocks."""
+
+    transfer: ChunkTransfer
+    copy: ChunkCopy
+    still_valid: Callable[[], bool]
+    """Were the bytes copied from the committed object? (Checked once copies are done.)"""
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class PendingSave:
+    """A chunk being saved: its reservation, filled layer by layer, committed once its
+    copies are done."""
+
+    key: bytes
+    req_id: str
+    copy: ChunkCopy
+    reservation: torch.Tensor
+    """The reservation's memory (the copies land in `copy.payload`, here or in staging)."""
+    staged: bool
+    stack: ExitStack
+    layers_done: set[str] = field(default_factory=set)
+    copied: Marker | None = None
+    """Set once every layer is queued: done when the copies are."""
+    started: float = field(default_factory=time.perf_counter)
+
+
+class MaruWorker:
+    """Copies chunks between the store and the KV cache; runs in each vLLM worker."""
+
+    def __init__(self, vllm_config: Any, config: MaruConfig, kv_cache_config: Any,
+                 transfers: TransferFactory = TransferEngine) -> None:
+        self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self.blocks_per_chunk = config.chunk_tokens // vllm_config.cache_config.block_size
+        self.stats = MaruConnectorStats()
+        self.store = StoreGuard(config, "worker", self.stats)
+        rank, tp_size = tensor_parallel_rank(), vllm_config.parallel_config.tensor_parallel_size
+        if rank is None and tp_size > 1:  # guessing 0 would load rank 0's share everywhere
+            self.store.disable(f"this worker's tensor-parallel rank is unknown with "
+                               f"tensor_parallel_size = {tp_size}")
+        self.rank = rank or 0
+        self._make_transfers = transfers
+        self.transfers: TransferEngine | None = None
+        """The data path, once `register_kv_caches` recognised the layout."""
+        self.fingerprint = NO_DATA_PATH
+        self.pinned = False
+        """The store's memory is page-locked, so device transfers use it directly."""
+        self.failed_blocks: set[int] = set()
+        self.loading: list[PendingLoad] = []
+        self.pending: dict[bytes, PendingSave] = {}
+        self.in_flight: list[PendingSave] = []
+        self.saving_requests: set[str] = set()
+        """Requests with a planned save: their blocks are freed once they are reported."""
+        self.finishing: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Find the layout adapter and the data path for the cache's device; a layout or
+        device the data path cannot handle disables the connector, loudly."""
+        adapters = [p.cls for p in get_plugin_manager().layout_adapters.values()]
+        num_blocks = self.num_blocks or _guess_num_blocks(kv_caches)
+        try:
+            adapter = recognise(kv_caches, num_blocks, adapters)
+            self.transfers = self._make_transfers(adapter)
+        except LayoutError as exc:
+            log.error("maru: %s", exc)
+            return
+        except UnsupportedDeviceError as exc:
+            self.store.disable(str(exc))
+            return
+        self.fingerprint = adapter.fingerprint
+        store = self.store.available()  # at start-up: a new pool is set up here, not in a request
+        if self.transfers.on_device and store is not None and store.zero_copy:
+            self.pinned = pin(store.host_memory())
+        log.info("maru: KV layout %s (fingerprint %s), %d layers, %d bytes per block, on %s%s",
+                 adapter.name, adapter.fingerprint, len(adapter.layers), adapter.block_bytes,
+                 self.transfers.device, ", store memory page-locked" if self.pinned else "")
+
+    def handshake(self) -> MaruHandshake:
+        return MaruHandshake(self.fingerprint)
+
+    def object_bytes(self, blocks: int) -> int:
+        return HEADER_BYTES + self.transfers.payload_bytes(blocks)
+
+    def _host_direct(self, store: Backend) -> bool:
+        """Can copies use the store's memory itself (else a staging buffer)?"""
+        return not self.transfers.on_device or (store.zero_copy and self.pinned)
+
+    # loads
+
+    def load(self, transfers: list[ChunkTransfer]) -> None:
+        """Start copying every planned chunk into its blocks (on the CPU: copy them)."""
+        with self.stats.timing(LOAD_SECONDS):
+            self._start_loads(transfers)
+
+    def _start_loads(self, transfers: list[ChunkTransfer]) -> None:
+        opened = []
+        for transfer in transfers:
+            pending = self._open(transfer) if self.transfers else None
+            if pending is None:
+                self._load_failed(transfer)
+            else:
+                opened.append(pending)
+        failed = self.transfers.load([p.copy for p in opened]) if opened else set()
+        for index, pending in enumerate(opened):
+            if index in failed:
+                self._load_failed(pending.transfer)
+            else:
+                self.loading.append(pending)
+        if self.transfers and not self.transfers.on_device:
+            self._finish_loads()
+
+    def _open(self, transfer: ChunkTransfer) -> PendingLoad | None:
+        """The chunk's object, checked, as host memory the copies can read; None if absent
+        or not to be trusted."""
+        store = self.store.available()
+        if store is None:
+            return None
+        key = rank_key(transfer.key, self.rank)
+        try:
+            view = store.view(key)
+        except Exception as exc:
+            self.store.failed(exc)
+            return None
+        expected = self.object_bytes(self.blocks_per_chunk)
+        if view is None or len(view.data) != expected or not self._trusted(key, view.data):
+            return None
+        payload, still_valid = host_tensor(view.data[HEADER_BYTES:]), view.valid
+        if not self._host_direct(store):
+            payload = self.transfers.staging(payload.numel()).copy_(payload)
+            if not view.valid():
+                return None
+            still_valid = _always
+        copy = ChunkCopy(Blocks(transfer.block_ids), payload, self.blocks_per_chunk,
+                         transfer.first_block)
+        return PendingLoad(transfer, copy, still_valid)
+
+    def _trusted(self, key: bytes, data: memoryview) -> bool:
+        """The object is this key's, in this layout, and whole."""
+        expected = object_header(key, self.fingerprint, len(data) - HEADER_BYTES)
+        return data[:HEADER_BYTES] == expected
+
+    def wait_for_layer(self, name: str) -> None:
+        if self.transfers is not None:
+            self.transfers.wait_layer(name)
+
+    def finish_loads(self) -> None:
+        """Wait for the loads' copies; a chunk whose object changed meanwhile failed."""
+        if self.loading:
+            with self.stats.timing(LOAD_SECONDS):
+                self._finish_loads()
+
+    def _finish_loads(self) -> None:
+        self.transfers.loads_done().wait()
+        size = self.object_bytes(self.blocks_per_chunk)
+        for pending in self.loading:
+            if pending.still_valid():
+                self.stats.add(LOADS)
+                self.stats.add(LOADED_BYTES, size)
+                self.stats.observe(LOAD_LATENCIES, time.perf_counter() - pending.started)
+            else:
+                self._load_failed(pending.transfer)
+        self.loading = []
+
+    def _load_failed(self, transfer: ChunkTransfer) -> None:
+        self.stats.add(LOAD_ERRORS)
+        self.failed_blocks.update(transfer.block_ids)
+
+    def take_failed_blocks(self) -> set[int]:
+        self.finish_loads()
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
+
+    # saves
+
+    def save_layer(self, layer_name: str, transfers: list[ChunkTransfer]) -> None:
+        """Queue one layer's pages of every chunk to save, after the layer's compute."""
+        with self.stats.timing(SAVE_SECONDS):
+            self._queue_layer(layer_name, transfers)
+
+    def _queue_layer(self, layer_name: str, transfers: list[ChunkTransfer]) -> None:
+        if self.transfers is None or layer_name not in self.transfers.adapter.layers:
+            return
+        chunks = []
+        for transfer in transfers:
+            pending = self._pending(transfer)
+            if pending is not None and layer_name not in pending.layers_done:
+                pending.layers_done.add(layer_name)
+                chunks.append(pending.copy)
+        if chunks:
+            self.transfers.save_layer(layer_name, chunks)
+
+    def _pending(self, transfer: ChunkTransfer) -> PendingSave | None:
+        key = rank_key(transfer.key, self.rank)
+        if key in self.pending:
+            return self.pending[key]
+        store = self.store.available()
+        if store is None:
+            return None
+        stack = ExitStack()
+        size = self.object_bytes(len(transfer.block_ids))
+        try:
+            buffer = stack.enter_context(store.reserve(key, size))
+        except Exception as exc:
+            stack.close()
+            self.stats.add(SAVE_ERRORS)
+            self.store.failed(exc)
+            return None
+        if buffer is None:
+            stack.close()
+            return None
+        reservation = torch.frombuffer(buffer, dtype=torch.int8)
+        header = object_header(key, self.fingerprint, size - HEADER_BYTES)
+        reservation[:HEADER_BYTES] = torch.frombuffer(bytearray(header), dtype=torch.int8)
+        staged = not self._host_direct(store)
+        pages = reservation[HEADER_BYTES:]
+        if staged:
+            pages = self.transfers.staging(pages.numel())
+        copy = ChunkCopy(Blocks(transfer.block_ids), pages, len(transfer.block_ids))
+        pending = PendingSave(key, transfer.req_id, copy, reservation, staged, stack)
+        self.pending[key] = pending
+        return pending
+
+    def finish_saves(self, transfers: list[ChunkTransfer]) -> None:
+        """Queue the layers no save_kv_layer call delivered; every chunk of this step is
+        then committed once its copies are done (on the CPU: now)."""
+        with self.stats.timing(SAVE_SECONDS):
+            for name in self.transfers.adapter.layers if self.transfers else ():
+                self._queue_layer(name, transfers)
+            if self.pending:
+                done = self.transfers.saves_done()
+                for pending in self.pending.values():
+                    pending.copied = done
+                    self.in_flight.append(pending)
+                self.pending.clear()
+        self.commit_copied()
+
+    def commit_copied(self, wait: bool = False) -> None:
+        """Commit every save whose copies are done (with `wait`: all of them)."""
+        still = []
+        for pending in self.in_flight:
+            if wait:
+                with self.stats.timing(SAVE_SECONDS):
+                    pending.copied.wait()
+            if pending.copied.done():
+                self._commit(pending)
+            else:
+                still.append(pending)
+        self.in_flight = still
+
+    def _commit(self, pending: PendingSave) -> None:
+        try:
+            with self.stats.timing(SAVE_SECONDS):
+                if pending.staged:
+                    pending.reservation[HEADER_BYTES:].copy_(pending.copy.payload)
+                pending.stack.close()
+        except Exception as exc:
+            self.stats.add(SAVE_ERRORS)
+            self.store.failed(exc)
+            return
+        self.stats.add(SAVES)
+        self.stats.add(SAVED_BYTES, int(pending.reservation.numel()))
+        self.stats.observe(SAVE_LATENCIES, time.perf_counter() - pending.started)
+
+    def abort_saves(self, exc: BaseException) -> None:
+        """Drop every open reservation (their space returns to the store), and back off."""
+        if self.transfers is not None:
+            self.transfers.saves_done().wait()  # queued copies may still write into them
+        for pending in [*self.pending.values(), *self.in_flight]:
+            pending.stack.__exit__(type(exc), exc, exc.__traceback__)
+        self.pending.clear()
+        self.in_flight = []
+        self.store.failed(exc)
+
+    def expect_saves(self, transfers: list[ChunkTransfer]) -> None:
+        """Note the requests these saves belong to (the scheduler holds their blocks)."""
+        self.saving_requests.update(t.req_id for t in transfers)
+
+    def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose saves are all committed (or dropped): vLLM may free
+        their blocks now."""
+        self.commit_copied()
+        self.finishing |= finished_req_ids & self.saving_requests
+        busy = {pending.req_id for pending in self.in_flight}
+        done = self.finishing - busy
+        self.finishing -= done
+        self.saving_requests -= done
+        return done
+
+    def close(self) -> None:
+        """Commit what is being saved, then close the store."""
+        self.commit_copied(wait=True)
+        log.info("maru: worker half (rank %d) since start-up: %s", self.rank,
+                 self.stats.lifetime)
+        self.store.close()
+
+
+def _always() -> bool:
+    return True
+
+
+def _guess_num_blocks(kv_caches: dict[str, Any]) -> int:
+    """Without a KVCacheConfig's block count (old vLLM): the leading dimension, after
+    a K/V split."""
+    tensor = kv_tensor(next(iter(kv_caches.values())))
+    return int(tensor.shape[1] if tensor.dim() >= 3 and tensor.shape[0] == 2 else tensor.shape[0])
