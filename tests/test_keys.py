@@ -59,5 +59,5 @@ def test_a_selection_names_a_tenant_or_one_namespace() -> None:
     assert keys.selection_prefix("tenant-a") == b"maru/tenant-a/"
     assert keys.selection_prefix(f"tenant-a/{DIGEST}") == PREFIX
     for bad in ("", "a//", "a/b/c"):
-        with pytest.raises(ConfigError, match="--namespace = .*allowed"):
+        with pytest.raises(ConfigError, match=r"--namespace = .*allowed"):
             keys.selection_prefix(bad)
