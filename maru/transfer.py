@@ -183,7 +183,7 @@ def widest(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return list(tensors)
 
 
-# --- the engine -------------------------------------------------------------------
+# --- the data path -----------------------------------------------------------------
 
 
 @dataclass
@@ -199,7 +199,7 @@ class ChunkCopy:
     """Row of the object that goes into blocks.ids[0] (a load may skip blocks)."""
 
 
-class TransferEngine:
+class DataPath:
     """Moves chunks' pages between the caches an adapter recognised and host memory."""
 
     def __init__(self, adapter: LayoutAdapter, queue: CopyQueue | None = None) -> None:
