@@ -4,9 +4,12 @@ These machines are noisy, so every throughput is reported next to a plain
 memcpy of the same bytes, measured in the same run, and latencies are medians.
 Every copy, the baseline's and the store's, reads from and writes to buffers that
 rotate through pre-touched memory larger than the CPU caches, as KV chunks do:
-never the same cache-hot bytes twice. Pools are measured in steady state (after
-they have wrapped, so every put evicts) and, for 4 MiB puts, on a fresh pool's
-first pass, as a new serving node sees it.
+never the same cache-hot bytes twice. A backend that declares a private store
+(`Backend.bench_options`) is measured on one of its own; any other on the
+configured store, under a namespace of its own, deleting what it wrote. A private
+store that `wraps` is measured in steady state (after it has wrapped, so every put
+evicts) and, for 4 MiB puts, on a fresh store's first pass, as a new serving node
+sees it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any
 import numpy as np
 
 import maru
-from maru.backends.pool import memory_of
+from maru.errors import UnsupportedOperationError
+from maru.plugins import get_plugin_manager
 
 KIB, MIB = 2**10, 2**20
 DEFAULT_SIZES = (64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 32 * MIB)
@@ -32,8 +36,6 @@ BENCH_BYTES = 256 * MIB
 ARENA_BYTES = 256 * MIB
 """Least size of each rotating buffer (sources, targets); at least 4 times the L3."""
 FIRST_PASS_SIZE = 4 * MIB
-POOL_BACKENDS = ("shm", "cxl")
-"""Backends with a ring that wraps and a fresh pool to measure."""
 
 
 @dataclass
@@ -59,27 +61,27 @@ def bench_config(
 ) -> maru.MaruConfig:
     """The benchmark's configuration, so that it never touches a serving store.
 
-    shm, cxl and mock get a private pool, populated before it is measured, or with
-    `fresh`, opened as serving opens it. redis has no private server: the benchmark
-    measures the server the user's configuration names (`redis.url`), under a
-    namespace of its own, and deletes what it writes.
+    A backend with a private store (`bench_options`) gets one of its own, populated
+    before it is measured, or with `fresh`, opened as serving opens it. Any other is
+    the store the user's configuration names (e.g. the server's URL), under a
+    namespace of the benchmark's own.
     """
     tag = f"bench-{os.getpid()}" + ("-fresh" if fresh else "")
-    prefault = not fresh
-    sections: dict[str, Any] = {
-        "mock": {"mock": {"name": tag}},
-        "shm": {"shm": {"name": tag, "prefault": prefault}},
-        "cxl": {
-            "cxl": {
-                "mode": "emulated",
-                "device": f"/dev/shm/maru-{tag}-cxl",
-                "prefault": prefault,
-            }
-        },
-    }
+    options = backend_class(backend).bench_options(tag, not fresh)
+    sections = {} if options is None else {backend: options}
     return maru.load_config(
-        config_file, backend=backend, capacity=capacity, namespace=tag, **sections.get(backend, {})
+        config_file, backend=backend, capacity=capacity, namespace=tag, **sections
     )
+
+
+def backend_class(name: str) -> type[maru.Backend]:
+    """The installed backend called `name`, or a ConfigError listing the installed ones."""
+    return get_plugin_manager().backend(name)
+
+
+def has_private_store(backend: str) -> bool:
+    """Does the backend give the benchmark a throwaway store of its own?"""
+    return backend_class(backend).bench_options("bench", True) is not None
 
 
 def arena_bytes() -> int:
@@ -201,7 +203,7 @@ def bench_first_pass(
             try:
                 opened = time.perf_counter()
                 if when == "populated":
-                    memory_of(store.pool).populator.wait()
+                    store.populate()
                     report["populate_s"] = time.perf_counter() - opened
                 begun = time.perf_counter()
                 for i in range(count):
@@ -239,6 +241,18 @@ def _delete_written(store: maru.Backend, written: list[bytes]) -> None:
     written.clear()
 
 
+def _leave_nothing(store: maru.Backend, written: list[bytes], private: bool) -> None:
+    """Destroy a private store (one that goes when closed has nothing to destroy);
+    delete what was written to any other: a serving store is never destroyed."""
+    if private:
+        try:
+            store.destroy()
+            return
+        except UnsupportedOperationError:
+            pass
+    _delete_written(store, written)
+
+
 def run_bench(
     backend: str,
     sizes: tuple[int, ...] = DEFAULT_SIZES,
@@ -246,11 +260,13 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     config_file: str | None = None,
 ) -> dict[str, Any]:
-    """Benchmark one backend; the report as plain data. Leaves nothing behind."""
+    """Benchmark one installed backend; the report as plain data. Leaves nothing behind.
+    An unknown name is a ConfigError listing the installed backends."""
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    private = has_private_store(backend)
+    wrap = private and backend_class(backend).wraps
     written: list[bytes] = []
     arenas = (pretouched(arena_bytes(), 1), pretouched(arena_bytes(), 2))
-    wrap = backend in POOL_BACKENDS
     first_pass = None
     if wrap:
         progress(f"{backend}: first pass of a fresh pool ...")
@@ -265,10 +281,7 @@ def run_bench(
             progress(f"{backend}: latency ...")
             latency = bench_latency(store, written)
         finally:
-            if hasattr(store, "destroy"):
-                store.destroy()
-            else:
-                _delete_written(store, written)
+            _leave_nothing(store, written, private)
     return {
         "backend": backend,
         "sizes": [

@@ -12,7 +12,13 @@ from typing import Any
 
 import maru
 from maru.config import ResolvedConfig, leaves, resolve_config, shown_value
-from maru.errors import BackendError, ConfigError, MaruError, PluginError
+from maru.errors import (
+    BackendError,
+    ConfigError,
+    MaruError,
+    PluginError,
+    UnsupportedOperationError,
+)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -144,29 +150,24 @@ def cmd_doctor(args: argparse.Namespace) -> Result:
 
 
 def _open_existing(config: Any) -> Any:
-    """The configured store, without creating a pool that does not exist."""
-    from maru.backends.pool import PoolBackend
+    """The configured store, without creating one that does not exist."""
     from maru.plugins import get_plugin_manager
 
-    backend = get_plugin_manager().backend(config.backend)
-    return backend(config, create=False) if issubclass(backend, PoolBackend) else backend(config)
+    return get_plugin_manager().backend(config.backend).open_existing(config)
 
 
 def _open_pool(config_file: str | None, action: str) -> Any:
-    from maru.backends.pool import PoolBackend
+    """The configured store: created by `create`, else only one that exists."""
     from maru.plugins import get_plugin_manager
 
     config = resolve_config(config_file).config
-    backend = get_plugin_manager().backend(config.backend)
-    if not issubclass(backend, PoolBackend):
-        raise ConfigError(
-            f"backend = {config.backend!r}: maru pool manages mapped pools; allowed: shm, cxl"
-        )
-    return backend(config, create=action == "create")
+    if action == "create":
+        return get_plugin_manager().backend(config.backend)(config)
+    return _open_existing(config)
 
 
 def _pool_report(store: Any) -> dict[str, Any]:
-    return store.stats().as_dict() | store.pool.info()
+    return store.stats().as_dict() | store.info()
 
 
 def _format_pool(report: dict[str, Any]) -> str:
@@ -174,49 +175,53 @@ def _format_pool(report: dict[str, Any]) -> str:
 
 
 def cmd_pool(args: argparse.Namespace) -> Result:
-    """Create, inspect, clear or destroy the configured shm/cxl pool."""
+    """Create, inspect, clear or destroy the configured store, for any backend that
+    offers the operation (shm and cxl pools offer them all); exit 2 where it does not."""
     if args.namespace is not None and args.action != "clear":
         raise ConfigError(f"--namespace = {args.namespace!r}: only 'maru pool clear' takes it")
     prefix = namespace_prefix(args.namespace) if args.namespace is not None else None
     with _open_pool(args.config, args.action) as store:
-        if args.action == "destroy":
-            label = store.pool.label
-            store.destroy()
-            return Result({"destroyed": label}, f"destroyed {label}")
-        if prefix is not None:
-            removed = store.delete_prefix(prefix)
-            return Result({"removed": removed, "namespace": args.namespace},
-                          f"removed {removed} objects of namespace {args.namespace!r} "
-                          f"from {store.pool.label}")
-        if args.action == "clear":
-            removed = store.pool.clear()
-            return Result(
-                {"removed": removed}, f"removed {removed} objects from {store.pool.label}"
-            )
-        if args.action == "namespaces":
-            return _namespaces_result(store)
-        if args.action == "stats" and args.watch:
-            return _watch(store, args)
-        report = _pool_report(store)
-        if args.action == "create":
-            report |= _populated(store)
-        return Result(report, _format_pool(report))
+        try:
+            return _pool_action(store, args, prefix)
+        except UnsupportedOperationError as exc:
+            raise ConfigError(f"backend = {store.name!r}: maru pool {args.action} "
+                              f"needs an operation it lacks: {exc}") from None
+
+
+def _pool_action(store: Any, args: argparse.Namespace, prefix: bytes | None) -> Result:
+    """One `maru pool` action on an open store."""
+    if args.action == "destroy":
+        label = store.label
+        store.destroy()
+        return Result({"destroyed": label}, f"destroyed {label}")
+    if prefix is not None:
+        removed = store.delete_prefix(prefix)
+        return Result({"removed": removed, "namespace": args.namespace},
+                      f"removed {removed} objects of namespace {args.namespace!r} "
+                      f"from {store.label}")
+    if args.action == "clear":
+        removed = store.clear()
+        return Result({"removed": removed}, f"removed {removed} objects from {store.label}")
+    if args.action == "namespaces":
+        return _namespaces_result(store)
+    if args.action == "stats" and args.watch:
+        return _watch(store, args)
+    report = _pool_report(store)
+    if args.action == "create":
+        report |= _populated(store)
+    return Result(report, _format_pool(report))
 
 
 def _populated(store: Any) -> dict[str, Any]:
-    """Wait for the new mapping to be populated (a progress line on stderr); what the
-    pool's memory got: huge pages or not, populated or not."""
-    from maru.backends.pool import memory_of
+    """Wait for the new store's memory to be populated (a progress line on stderr); what
+    the memory got, e.g. huge pages or not, populated or not."""
     from maru.sizes import format_size
-
-    memory = memory_of(store.pool)
 
     def progress(done: int, total: int) -> None:
         line = f"populating: {format_size(done)} of {format_size(total)}"
         print(line, file=sys.stderr, flush=True)
 
-    memory.populator.wait(progress)
-    return memory.report()
+    return store.populate(progress)
 
 
 def _namespaces_result(store: Any) -> Result:
@@ -290,19 +295,40 @@ def _watch(store: Any, args: argparse.Namespace) -> Result:
 
 
 def cmd_bench(args: argparse.Namespace) -> Result:
-    """Throughput and latency of a backend, as ratios to memcpy; with --plot, also a PNG."""
-    from maru.bench import format_report, run_bench
+    """Throughput and latency of installed backends (the configured one by default), as
+    ratios to memcpy; with --plot, also a PNG."""
+    from maru.bench import backend_class, format_report, run_bench
     from maru.plots import bench_plot, png_destination, require_matplotlib
 
     plot = None if args.plot is None else png_destination(args.plot)
     if plot is not None:  # checked before minutes of measuring, not after
         require_matplotlib()
-    reports = [run_bench(backend, config_file=args.config) for backend in args.backend]
+    backends = args.backend or [resolve_config(args.config).config.backend]
+    for name in backends:  # an unknown name fails before minutes of measuring
+        backend_class(name)
+    measure: dict[str, Any] = {"config_file": args.config}
+    if args.size:
+        measure["sizes"] = tuple(args.size)
+    if args.capacity:
+        measure["capacity"] = args.capacity
+    reports = [run_bench(backend, **measure) for backend in backends]
     text = "\n\n".join(format_report(report) for report in reports)
     if plot is not None:
         bench_plot(reports, plot)
         text += f"\n\nplot written to {plot}"
     return Result(reports, text)
+
+
+def parse_bench_size(text: str) -> int:
+    """A `maru bench --size/--capacity` value: a size greater than zero, e.g. 64KiB."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from maru.sizes import Size
+
+    try:
+        return TypeAdapter(Size).validate_python(text)
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc.errors()[0]['msg']}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file", metavar="FILE")
     check.set_defaults(run=cmd_config_check)
 
-    pool = commands.add_parser("pool", parents=[common], help="manage the shm/cxl pool")
+    pool = commands.add_parser("pool", parents=[common],
+                               help="create, inspect, clear or destroy the configured store")
     pool.add_argument("action", choices=POOL_ACTIONS)
     pool.add_argument("--config", metavar="FILE", help="config file (else MARU_CONFIG)")
     pool.add_argument("--watch", type=float, metavar="SECONDS", help="stats: refresh every N s")
@@ -351,11 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--backend",
         action="append",
-        choices=("shm", "cxl", "mock", "redis"),
-        help="backend to measure (repeatable; default shm)",
+        metavar="NAME",
+        help="installed backend to measure (repeatable; default: the configured one); "
+        "`maru info` lists them",
     )
+    bench.add_argument("--size", action="append", type=parse_bench_size, metavar="SIZE",
+                       help="object size to measure, e.g. 64KiB (repeatable; default "
+                       "64 KiB to 32 MiB)")
+    bench.add_argument("--capacity", type=parse_bench_size, metavar="SIZE",
+                       help="bytes of each store measured (default 1 GiB)")
     bench.add_argument("--config", metavar="FILE",
-                       help="config file (else MARU_CONFIG); redis: the server to measure")
+                       help="config file (else MARU_CONFIG); a backend without a private "
+                       "store (e.g. a server) is measured where it names")
     bench.add_argument("--plot", metavar="FILE.png",
                        help="also draw throughput by object size against memcpy as a PNG "
                        "(needs matplotlib: pip install 'maru[plot]')")
@@ -381,8 +415,6 @@ def _failure(args: argparse.Namespace, exc: BaseException, exit_code: int) -> in
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one maru command; the process exit code."""
     args = build_parser().parse_args(argv)
-    if args.command == "bench" and not args.backend:
-        args.backend = ["shm"]
     try:
         result = args.run(args)
     except (ConfigError, PluginError) as exc:

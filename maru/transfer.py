@@ -183,7 +183,7 @@ def widest(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return list(tensors)
 
 
-# --- the data path -----------------------------------------------------------------
+# --- the engine -------------------------------------------------------------------
 
 
 @dataclass
@@ -199,7 +199,7 @@ class ChunkCopy:
     """Row of the object that goes into blocks.ids[0] (a load may skip blocks)."""
 
 
-class DataPath:
+class TransferEngine:
     """Moves chunks' pages between the caches an adapter recognised and host memory."""
 
     def __init__(self, adapter: LayoutAdapter, queue: CopyQueue | None = None) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import maru
-from maru.backends.pool.index import key_hash
+from maru.backends._pool.index import key_hash
 from maru.backends.shm import shm_path
 from maru.testing import payload
 

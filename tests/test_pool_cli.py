@@ -87,10 +87,22 @@ def test_stats_watch_shows_sizes_and_rates_for_people(capsys, pool_config) -> No
     assert run(capsys, "pool", "destroy", "--config", config)[0] == 0
 
 
-def test_pool_commands_refuse_a_backend_without_a_pool(capsys, monkeypatch) -> None:
+@pytest.mark.parametrize(("action", "operation"), [
+    ("stats", "info()"), ("create", "info()"), ("clear", "clear()"), ("destroy", "destroy()")])
+def test_pool_commands_name_the_operation_a_backend_lacks(capsys, monkeypatch, action,
+                                                          operation) -> None:
     monkeypatch.setenv("MARU_BACKEND", "mock")
-    code, _, err = run(capsys, "pool", "stats")
-    assert code == 2 and "allowed: shm, cxl" in err
+    code, _, err = run(capsys, "pool", action)
+    assert code == 2, err
+    assert f"backend = 'mock': maru pool {action} needs an operation it lacks" in err
+    assert f"the mock backend does not support {operation}" in err
+
+
+def test_pool_commands_ask_a_plugin_backend_what_it_can_do(capsys, tmp_path) -> None:
+    config = tmp_path / "maru.yaml"
+    config.write_text(f"backend: dirstore\ndirstore:\n  path: {tmp_path / 'objects'}\n")
+    code, _, err = run(capsys, "pool", "stats", "--config", str(config), "--json")
+    assert code == 2 and "the dirstore backend does not support info()" in err
 
 
 def test_info_says_when_cxl_is_only_emulated(capsys, monkeypatch, tmp_path) -> None:
@@ -123,10 +135,18 @@ def test_bench_reports_every_size_as_a_ratio_to_memcpy() -> None:
     assert "first pass of a fresh 64 MiB pool" in format_report(report)
 
 
-PRIVATE_POOL_IMPORT = re.compile(r"^\s*(from|import)\s+maru\.backends\.(pool\.|_)", re.M)
+PRIVATE_POOL_IMPORT = re.compile(r"^\s*(from|import)\s+maru\.backends\.(_|pool\b)", re.M)
+"""An import of the private pool package (or of any private module of the backends),
+or of the pool package by its old, public-looking name."""
 
 
-def test_code_outside_the_backends_uses_only_the_public_pool_interface() -> None:
+def test_the_pool_package_is_private_to_the_backends() -> None:
+    for line in ("from maru.backends._pool import memory_of",
+                 "    from maru.backends._pool.core import Pool",
+                 "import maru.backends._pool", "from maru.backends.pool import PoolBackend"):
+        assert PRIVATE_POOL_IMPORT.search(line), line
+    for line in ("from maru.backends.base import Backend", "from maru.backends.shm import x"):
+        assert not PRIVATE_POOL_IMPORT.search(line), line
     root = Path(__file__).resolve().parent.parent
     sources = [
         path
@@ -136,4 +156,4 @@ def test_code_outside_the_backends_uses_only_the_public_pool_interface() -> None
     ]
     assert len(sources) > 10
     offenders = [str(p) for p in sources if PRIVATE_POOL_IMPORT.search(p.read_text())]
-    assert offenders == [], "import what they need from maru.backends.pool"
+    assert offenders == [], "ask the Backend (maru.backends.base) instead of the pool"

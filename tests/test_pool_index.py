@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 
 import maru
-from maru.backends.pool import core
+from maru.backends._pool import core
 from maru.testing import payload
 
 SPAWN = multiprocessing.get_context("spawn")

@@ -20,8 +20,8 @@ import pytest
 
 import maru
 from maru.backends import shm
-from maru.backends.pool import memory
-from maru.backends.pool.attach import memory_of
+from maru.backends._pool import memory
+from maru.backends._pool.attach import memory_of
 from maru.cli import main
 
 MIB = 2**20

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import threading
@@ -9,9 +10,9 @@ import threading
 import pytest
 
 import maru
+from maru.backends._pool import region as pool_format
+from maru.backends._pool.attach import memory_of
 from maru.backends.base import key_digest
-from maru.backends.pool import region as pool_format
-from maru.backends.pool.attach import memory_of
 from maru.backends.shm import shm_path
 from maru.testing import BackendContract, EvictionContract, payload
 
@@ -69,14 +70,33 @@ def test_pool_names_are_validated(bad) -> None:
 @pytest.mark.parametrize(("mode", "expected"), [(None, 0o600), ("0660", 0o660), (0o640, 0o640)])
 def test_permissions_default_to_owner_only(pool_names, mode, expected) -> None:
     name = pool_names()
-    options = {} if mode is None else {"mode": mode}
+    options = {} if mode is None else {"file_mode": mode}
     with open_shm(name, **options):
         assert stat.S_IMODE(os.stat(shm_path(name)).st_mode) == expected
 
 
-def test_a_bad_mode_is_a_config_error() -> None:
-    with pytest.raises(maru.ConfigError, match=r"shm\.mode = '0999'.*not a permission mode"):
-        maru.load_config(backend="shm", shm={"mode": "0999"})
+def test_a_bad_file_mode_is_a_config_error() -> None:
+    with pytest.raises(maru.ConfigError, match=r"shm\.file_mode = '0999'.*not a permission mode"):
+        maru.load_config(backend="shm", shm={"file_mode": "0999"})
+
+
+def deprecation_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+
+
+def test_the_old_name_shm_mode_still_works_and_says_its_new_name(pool_names, caplog) -> None:
+    name = pool_names()
+    with caplog.at_level(logging.WARNING, logger="vllm.maru"):
+        with open_shm(name, mode="0640") as store:
+            assert stat.S_IMODE(os.stat(shm_path(name)).st_mode) == 0o640
+            assert store.options.file_mode == 0o640
+        assert deprecation_warnings(caplog) == [
+            "shm.mode is deprecated: it is now shm.file_mode (as in the cxl section)"]
+        with pytest.raises(maru.ConfigError, match=r"'mode': '0999'.*not a permission mode"):
+            maru.load_config(backend="shm", shm={"mode": "0999"})
+        caplog.clear()
+        maru.load_config(backend="shm", shm={"file_mode": "0640"})
+        assert deprecation_warnings(caplog) == []
 
 
 def resident_bytes(path) -> int:

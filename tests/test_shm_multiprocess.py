@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import maru
+from maru.backends._pool import attach, region
+from maru.backends._pool.core import SMALL_COPY
 from maru.backends.base import key_digest
-from maru.backends.pool import attach, region
-from maru.backends.pool.core import SMALL_COPY
 from maru.testing import payload
 from tests.conftest import call_with_deadline
 

@@ -22,6 +22,26 @@ Semantics, for every backend:
   reused. Other backends (network stores, most plugins) hand over a private
   copy, always valid.
 
+Declared capabilities (class attributes; a store may set its own, as the tiered
+backend does from its tiers), so that callers and the contract tests ask the
+backend instead of knowing backend names:
+
+- `medium`: where a store's bytes live: "host" (this machine's memory), "disk"
+  (local storage) or "remote" (another machine); the default is "remote", so a
+  backend that says nothing never claims host memory.
+- `zero_copy`: views and reservations point into `host_memory()`.
+- `removal_log`: `removed_since` names removals (else its digests are None).
+- `lists_keys`: `keys` and `delete_prefix` work (else UnsupportedOperationError).
+- `wraps`: the store is one fixed region, mapped when it is created, that writes
+  go round and reuse (evicting) once full, so a fresh store's first pass differs
+  from its steady state.
+
+Optional operations, for tools (`maru pool`, `maru bench`): `open_existing`,
+`destroy`, `clear`, `info`, `populate`, `bench_options` and `label`. Their
+defaults either do the plain thing (`open_existing` just opens, `bench_options`
+says "no private store", `label` names the backend) or raise
+`UnsupportedOperationError` naming the backend and the operation.
+
 Subclasses implement the underscored primitives; this class validates keys and
 buffers once, so every backend treats bad input the same way.
 """
@@ -34,7 +54,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import xxhash
 from pydantic import BaseModel
@@ -50,6 +70,10 @@ MAX_KEY_BYTES = 512
 """Longest key any backend accepts, in bytes (UTF-8 for str keys)."""
 
 Key = bytes | str
+
+Medium = Literal["host", "disk", "remote"]
+"""Where a store's bytes live: this machine's memory, its local storage, or another machine."""
+MEDIA: tuple[Medium, ...] = ("host", "disk", "remote")
 
 
 def key_digest(key: bytes) -> int:
@@ -149,9 +173,22 @@ class Backend(ABC):
     name: ClassVar[str]
     Options: ClassVar[type[BaseModel]]
     description: ClassVar[str] = ""
+    medium: Medium = "remote"
+    """Where the store's bytes live: "host" (this machine's memory), "disk" (local
+    storage) or "remote" (another machine). The vLLM connector reads it on an open
+    store; the default never wrongly claims host memory."""
     zero_copy: ClassVar[bool] = False
     """`view` reads objects in place and `reserve` writes them in place, in the memory
     `host_memory()` returns; False: one copy through a private buffer each way."""
+    removal_log: bool = False
+    """`removed_since` names the removed objects (until its log overflows); False: its
+    digests are always None, and readers check their keys with `contains`."""
+    lists_keys: bool = False
+    """`keys` and `delete_prefix` work; False: they raise UnsupportedOperationError."""
+    wraps: ClassVar[bool] = False
+    """The store is one fixed region, mapped when it is created, that writes go round
+    and reuse (evicting) once it is full: `maru bench` measures it after it has wrapped,
+    and on a fresh store's first pass."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -163,6 +200,50 @@ class Backend(ABC):
     def describe(cls, options: BaseModel) -> str:
         """What a store with these options is, in a few words (`maru info`)."""
         return cls.description
+
+    # --- optional operations, for tools (`maru pool`, `maru bench`) ----------
+
+    @classmethod
+    def open_existing(cls, config: Any) -> Backend:
+        """The configured store, without creating one that does not exist (for tools
+        that inspect a store); the default just opens it."""
+        return cls(config)
+
+    @classmethod
+    def bench_options(cls, tag: str, prefault: bool) -> dict[str, Any] | None:
+        """The options section of a private, throwaway store named by `tag`, populated
+        when opened if `prefault`, so that `maru bench` never touches a serving store.
+        The default, None: there is no private store, and the benchmark measures the
+        configured one under a namespace of its own and deletes what it wrote."""
+        return None
+
+    @property
+    def label(self) -> str:
+        """The store in a few words, for messages (e.g. "shm pool 'default' (...)")."""
+        return f"{self.name} store"
+
+    def destroy(self) -> None:
+        """Remove the store itself, not just its objects (`maru pool destroy`)."""
+        raise self.unsupported("destroy", "remove its store")
+
+    def clear(self) -> int:
+        """Remove every object; how many were removed (`maru pool clear`)."""
+        raise self.unsupported("clear", "remove all its objects")
+
+    def info(self) -> dict[str, Any]:
+        """Details beyond `stats()`, for `maru pool stats`; at least "label"."""
+        raise self.unsupported("info", "report details of its store")
+
+    def populate(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Wait until a new store's memory is populated, calling `progress(done, total)`
+        in bytes meanwhile; what the memory got (`maru pool create`)."""
+        raise self.unsupported("populate", "populate its memory")
+
+    def unsupported(self, operation: str, what: str) -> UnsupportedOperationError:
+        """The error for an optional operation this backend does not offer."""
+        return UnsupportedOperationError(
+            f"the {self.name} backend does not support {operation}(): it cannot {what}"
+        )
 
     def put(self, key: Key, data: Any) -> bool:
         """Store `data` under `key`; False if the key exists or there is no room."""
@@ -328,16 +409,15 @@ class Backend(ABC):
     def _delete(self, key: bytes) -> bool: ...
 
     def _keys(self, prefix: bytes) -> list[bytes]:
-        """Backends that can list their keys override this."""
-        raise UnsupportedOperationError(f"the {self.name} backend cannot list its keys")
+        """Backends that can list their keys (`lists_keys`) override this."""
+        raise self.unsupported("keys", "list its keys")
 
     def _delete_prefix(self, prefix: bytes) -> int:
-        """Backends that can list their keys override this."""
-        raise UnsupportedOperationError(
-            f"the {self.name} backend cannot delete objects by key prefix")
+        """Backends that can list their keys (`lists_keys`) override this."""
+        raise self.unsupported("delete_prefix", "delete objects by key prefix")
 
     def _removed_since(self, cursor: int | None) -> Removals:
-        """Backends that keep a removal log override this."""
+        """Backends that keep a removal log (`removal_log`) override this."""
         return Removals(0, None)
 
     @abstractmethod

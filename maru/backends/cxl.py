@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import platform
 import stat
@@ -24,14 +23,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from maru.backends.pool import Geometry, PoolBackend, PoolOptions, RegionSpec
-from maru.backends.pool.memory import reserve
+from maru.backends._pool import Geometry, PoolBackend, PoolOptions, RegionSpec, reserve
 from maru.backends.shm import FileMode, PoolName, shm_path
 from maru.config import Size
 from maru.errors import BackendError, ConfigError
 from maru.hookspecs import hookimpl
+from maru.log import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 MPOL_BIND = 2
 MPOL_MF_STRICT, MPOL_MF_MOVE = 1, 2
@@ -198,6 +197,12 @@ class CxlBackend(PoolBackend):
                 f"capacity = {capacity}: not a multiple of the device alignment "
                 f"({align} bytes); allowed: a multiple of it, e.g. {nearest}"
             )
+
+    @classmethod
+    def bench_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
+        """An emulated device of its own in /dev/shm, named by `tag` (the devdax code
+        path, over memory the benchmark may throw away)."""
+        return {"mode": "emulated", "device": f"/dev/shm/maru-{tag}-cxl", "prefault": prefault}
 
     def destroy(self) -> None:
         """Remove the pool: delete its file, or clear a device's header."""

@@ -95,6 +95,9 @@ class MockBackend(Backend):
     name: ClassVar[str] = "mock"
     Options = MockOptions
     description: ClassVar[str] = "in-process memory, for tests; optional fault injection"
+    medium = "host"
+    removal_log = True
+    lists_keys = True
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -110,6 +113,11 @@ class MockBackend(Backend):
                 )
             pool.users += 1
         self._pool = pool
+
+    @classmethod
+    def bench_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
+        """A store of its own, named `tag` (gone when closed)."""
+        return {"name": tag}
 
     def _inject(self, operation: str) -> None:
         if self.options.latency:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -56,6 +58,7 @@ class RedisBackend(Backend):
     name: ClassVar[str] = "redis"
     Options = RedisOptions
     description: ClassVar[str] = "Redis or Valkey (server, replicated, or cluster)"
+    lists_keys = True
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -91,7 +94,7 @@ class RedisBackend(Backend):
             settings["username"] = options.username
         if options.password:
             settings["password"] = options.password.get_secret_value()
-        try:
+        with self._failures("connect"):
             if options.cluster:
                 from redis.cluster import RedisCluster
 
@@ -99,20 +102,25 @@ class RedisBackend(Backend):
             if options.db is not None:
                 settings["db"] = options.db
             return redis.Redis.from_url(options.url, **settings)
-        except redis.RedisError as exc:
-            raise BackendError(f"cannot reach {self.describe(options)}: {exc}") from None
 
-    def _call(self, operation: str, *args: Any, **kwargs: Any) -> Any:
-        """One command; every client or server error becomes a BackendError."""
+    @contextmanager
+    def _failures(self, operation: str) -> Iterator[None]:
+        """Every client or server error inside becomes a BackendError naming the operation
+        and the server (never the password), which the connector treats as a miss."""
         import redis
 
         try:
-            return getattr(self._client, operation)(*args, **kwargs)
+            yield
         except redis.RedisError as exc:
             raise BackendError(
                 f"{operation} on {self.describe(self.options)} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
+
+    def _call(self, operation: str, *args: Any, **kwargs: Any) -> Any:
+        """One command of the client."""
+        with self._failures(operation):
+            return getattr(self._client, operation)(*args, **kwargs)
 
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key
@@ -186,26 +194,17 @@ class RedisBackend(Backend):
         return [bool(found) for found in self._call_pipeline(pipeline)]
 
     def _call_pipeline(self, pipeline: Any) -> list[Any]:
-        import redis
-
-        try:
+        with self._failures("pipeline"):
             return pipeline.execute()
-        except redis.RedisError as exc:
-            raise BackendError(f"pipeline on {self.describe(self.options)} failed: "
-                               f"{type(exc).__name__}: {exc}") from None
 
     def _delete(self, key: bytes) -> bool:
         return bool(self._call("delete", self._key(key)))
 
     def _scan(self, prefix: bytes) -> list[bytes]:
         """The server's names of the keys under this store's prefix and `prefix`."""
-        import redis
-
-        try:
+        with self._failures("scan"):
             return list(self._client.scan_iter(
                 match=_glob_escape(self._prefix + prefix) + b"*", count=1000))
-        except redis.RedisError as exc:
-            raise BackendError(f"scan on {self.describe(self.options)} failed: {exc}") from None
 
     def _keys(self, prefix: bytes) -> list[bytes]:
         return [name[len(self._prefix):] for name in self._scan(prefix)]
@@ -217,23 +216,22 @@ class RedisBackend(Backend):
     def _stats(self) -> StoreStats:
         """Objects and bytes under this store's prefix (a SCAN: for tools, not hot paths);
         hits and misses of this process; evictions as the server counts them."""
-        import redis
-
-        try:
-            keys = list(self._client.scan_iter(match=self._prefix + b"*", count=1000))
-        except redis.RedisError as exc:
-            raise BackendError(f"scan on {self.describe(self.options)} failed: {exc}") from None
+        keys = self._scan(b"")
         sizes = self._sizes(keys)
-        try:
-            info = self._client.info("stats")
-        except redis.ResponseError:  # a server or proxy without INFO: no eviction count
-            info = {}
-        except redis.RedisError as exc:
-            raise BackendError(f"info on {self.describe(self.options)} failed: {exc}") from None
-        evicted = sum(node.get("evicted_keys", 0) for node in _per_node(info))
+        evicted = sum(node.get("evicted_keys", 0) for node in _per_node(self._server_stats()))
         with self._lock:
             return StoreStats(self.config.capacity, sum(sizes), len(keys), self._hits,
                               self._misses, evicted)
+
+    def _server_stats(self) -> dict[str, Any]:
+        """INFO stats, or nothing from a server or proxy without INFO (no eviction count)."""
+        import redis
+
+        with self._failures("info"):
+            try:
+                return self._client.info("stats")
+            except redis.ResponseError:
+                return {}
 
     def _sizes(self, keys: list[bytes]) -> list[int]:
         pipeline = self._client.pipeline(transaction=False)

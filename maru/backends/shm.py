@@ -10,12 +10,15 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from maru.backends.pool import PoolBackend, PoolOptions, RegionSpec
+from maru.backends._pool import PoolBackend, PoolOptions, RegionSpec
 from maru.errors import BackendError
 from maru.hookspecs import hookimpl
+from maru.log import get_logger
+
+log = get_logger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 POOL_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$")
@@ -51,7 +54,19 @@ class ShmOptions(PoolOptions):
     """The `shm:` config section."""
 
     name: PoolName = Field("default", description="pool name; processes with one name share it")
-    mode: FileMode = Field(0o600, description="permissions, e.g. '0660' for a serving group")
+    file_mode: FileMode = Field(0o600, description="permissions of the shared memory object, "
+                                "e.g. '0660' for a serving group")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_mode(cls, values: Any) -> Any:
+        """`shm.mode`, the old name of `shm.file_mode` (as cxl names it), still works."""
+        if not isinstance(values, dict) or "mode" not in values:
+            return values
+        log.warning("shm.mode is deprecated: it is now shm.file_mode (as in the cxl section)")
+        values = dict(values)
+        values.setdefault("file_mode", _file_mode(values.pop("mode")))
+        return values
 
 
 def shm_path(name: str) -> Path:
@@ -74,7 +89,7 @@ class ShmBackend(PoolBackend):
             path=str(path),
             capacity=self.config.capacity,
             label=f"shm pool {self.options.name!r} ({path})",
-            mode=self.options.mode,
+            mode=self.options.file_mode,
             prefault=self.options.prefault,
         )
 
@@ -82,6 +97,11 @@ class ShmBackend(PoolBackend):
     def describe(cls, options: Any) -> str:
         """Where a configured shm pool lives, for `maru info`."""
         return f"POSIX shared memory {shm_path(options.name)}"
+
+    @classmethod
+    def bench_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
+        """A pool of its own, named `tag`."""
+        return {"name": tag, "prefault": prefault}
 
     def destroy(self) -> None:
         """Remove the pool's shared memory object; open mappings keep working."""

@@ -4,12 +4,14 @@ A put goes to every tier; a read is served by the first tier that has the
 object and copies it into the tiers above; `contains` asks a lower tier only
 about the keys the tiers above lack. A tier that fails counts as a miss for
 that call, so a failing lower tier never breaks the tiers above it; only when
-every tier fails is the call a `BackendError`.
+every tier fails is the call a `BackendError`. A tier that cannot do an operation
+at all (`UnsupportedOperationError`, e.g. listing keys) is left out of it; only
+when no tier can is the call unsupported. The store's bytes live where its first
+tier's do (`medium`).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -19,12 +21,15 @@ from pydantic import Field, field_validator
 
 from maru.backends.base import Backend, StoreStats
 from maru.config import Options
-from maru.errors import BackendError
+from maru.errors import BackendError, UnsupportedOperationError
 from maru.hookspecs import hookimpl
+from maru.log import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 FAILED = object()
 """What `_attempt` returns for a tier that failed."""
+UNSUPPORTED = object()
+"""What `_attempt` returns for a tier that cannot do the operation at all."""
 
 
 class TieredOptions(Options):
@@ -64,16 +69,24 @@ class TieredBackend(Backend):
             raise
         self._lock = threading.Lock()
         self._hits = self._misses = 0
+        self.medium = self.tiers[0].medium
+        self.lists_keys = any(tier.lists_keys for tier in self.tiers)
 
     @classmethod
     def describe(cls, options: Any) -> str:
         return " in front of ".join(options.tiers)
 
     @staticmethod
-    def _attempt(tier: Backend, call: Callable[[Backend], Any], what: str) -> Any:
-        """`call(tier)`, or FAILED if the tier fails: for this call, a miss (logged)."""
+    def _attempt(tier: Backend, call: Callable[[Backend], Any], what: str,
+                 optional: bool = False) -> Any:
+        """`call(tier)`, or FAILED if the tier fails: for this call, a miss (logged). A
+        tier that cannot do an `optional` operation at all gives UNSUPPORTED."""
         try:
             return call(tier)
+        except UnsupportedOperationError:
+            if optional:
+                return UNSUPPORTED
+            raise
         except BackendError as exc:
             log.warning("maru tier %s failed to %s, treated as a miss: %s", tier.name, what, exc)
             return FAILED
@@ -171,17 +184,26 @@ class TieredBackend(Backend):
         return any(answer is True for answer in answers)
 
     def _keys(self, prefix: bytes) -> list[bytes]:
-        answers = [self._attempt(tier, lambda t: t.keys(prefix), "list") for tier in self.tiers]
-        if all(answer is FAILED for answer in answers):
-            raise BackendError("every tier failed to list its keys")
-        return sorted({key for answer in answers if answer is not FAILED for key in answer})
+        answers = self._answers(lambda t: t.keys(prefix), "list its keys", "keys")
+        return sorted({key for answer in answers for key in answer})
 
     def _delete_prefix(self, prefix: bytes) -> int:
-        answers = [self._attempt(tier, lambda t: t.delete_prefix(prefix), "delete")
-                   for tier in self.tiers]
-        if all(answer is FAILED for answer in answers):
-            raise BackendError("every tier failed to delete")
-        return max(answer for answer in answers if answer is not FAILED)
+        answers = self._answers(lambda t: t.delete_prefix(prefix), "delete by prefix",
+                                "delete_prefix")
+        return max(answers)
+
+    def _answers(self, call: Callable[[Backend], Any], what: str, operation: str) -> list[Any]:
+        """What every tier that can do an optional operation answered: an
+        UnsupportedOperationError if no tier can, a BackendError if all that can failed."""
+        answers = [self._attempt(tier, call, what, optional=True) for tier in self.tiers]
+        able = [answer for answer in answers if answer is not UNSUPPORTED]
+        if not able:
+            raise self.unsupported(operation, f"{what}: none of its tiers "
+                                   f"({', '.join(t.name for t in self.tiers)}) can")
+        answered = [answer for answer in able if answer is not FAILED]
+        if not answered:
+            raise BackendError(f"every tier failed to {what}")
+        return answered
 
     def _count(self, *, hit: bool) -> None:
         with self._lock:

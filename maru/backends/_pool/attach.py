@@ -14,10 +14,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from maru.backends.pool.core import Pool
-from maru.backends.pool.locks import lock_region, unlock_region
-from maru.backends.pool.memory import Memory, prepare
-from maru.backends.pool.region import HEADER_BYTES, MAGIC, PAGE, Geometry, check_header
+from maru.backends._pool.core import Pool
+from maru.backends._pool.locks import lock_region, unlock_region
+from maru.backends._pool.memory import Memory, prepare
+from maru.backends._pool.region import HEADER_BYTES, MAGIC, PAGE, Geometry, check_header
 from maru.errors import BackendError, ConfigError
 
 _open_pools: dict[tuple[int, int], Pool] = {}

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from maru.backends.pool.index import Index
-from maru.backends.pool.region import (
+from maru.backends._pool.index import Index
+from maru.backends._pool.region import (
     ADDR_HEAD,
     ADDR_TAIL,
     COMMITTED,

@@ -29,7 +29,7 @@ import threading
 import weakref
 from typing import Protocol
 
-from maru.backends.pool.region import SLOT_TOKENS, WRITER_SLOTS, Tables
+from maru.backends._pool.region import SLOT_TOKENS, WRITER_SLOTS, Tables
 from maru.errors import BackendError
 
 MUTEX_BYTE = 0

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from pydantic import Field
 
+from maru.backends._pool.attach import RegionSpec, attach, detach, memory_of
+from maru.backends._pool.core import SMALL_COPY, Handle
 from maru.backends.base import Backend, ReadView, Removals, StoreStats
-from maru.backends.pool.attach import RegionSpec, attach, detach
-from maru.backends.pool.core import SMALL_COPY, Handle
 from maru.config import Options
 
 
@@ -30,7 +31,11 @@ class PoolOptions(Options):
 class PoolBackend(Backend):
     """A Backend over a mapped Pool; subclasses say where the mapping comes from."""
 
+    medium = "host"
     zero_copy = True
+    removal_log = True
+    lists_keys = True
+    wraps = True
 
     def __init__(self, config: Any, *, create: bool = True) -> None:
         super().__init__(config)
@@ -42,6 +47,28 @@ class PoolBackend(Backend):
     @abstractmethod
     def region_spec(self) -> RegionSpec:
         """Where this backend's pool lives."""
+
+    @classmethod
+    def open_existing(cls, config: Any) -> PoolBackend:
+        """The configured pool, or BackendError if it does not exist; never populated."""
+        return cls(config, create=False)
+
+    @property
+    def label(self) -> str:
+        return self.pool.label
+
+    def clear(self) -> int:
+        return self.pool.clear()
+
+    def info(self) -> dict[str, Any]:
+        """The pool's label, creation id, geometry and recovery counters."""
+        return self.pool.info()
+
+    def populate(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Wait for the background populate of this mapping; huge pages and population."""
+        memory = memory_of(self.pool)
+        memory.populator.wait(progress)
+        return memory.report()
 
     def _put(self, key: bytes, data: memoryview) -> bool:
         if data.nbytes <= SMALL_COPY:

@@ -14,13 +14,15 @@ the data. There is no server: processes coordinate through the region and
 - `memory`: backing, population and huge pages of a mapping;
 - `backend`: `PoolBackend`, the Backend contract over a Pool.
 
-Code outside `maru/backends/` uses only what this module exports.
+The package is private to `maru/backends/`: the shm and cxl backends use only what
+this module exports, and code outside `maru/backends/` asks the Backend instead.
 """
 
-from maru.backends.pool.attach import RegionSpec, memory_of
-from maru.backends.pool.backend import PoolBackend, PoolOptions
-from maru.backends.pool.core import Pool
-from maru.backends.pool.region import Geometry
+from maru.backends._pool.attach import RegionSpec, memory_of
+from maru.backends._pool.backend import PoolBackend, PoolOptions
+from maru.backends._pool.core import Pool
+from maru.backends._pool.memory import reserve
+from maru.backends._pool.region import Geometry
 
 __all__ = [
     "Geometry",
@@ -29,4 +31,5 @@ __all__ = [
     "PoolOptions",
     "RegionSpec",
     "memory_of",
+    "reserve",
 ]

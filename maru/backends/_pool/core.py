@@ -24,12 +24,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from maru.backends.base import ReadView, Removals, StoreStats
-from maru.backends.pool.allocator import Allocator
-from maru.backends.pool.checksum import NO_CHECKSUM, intact
-from maru.backends.pool.checksum import checksum as object_checksum
-from maru.backends.pool.index import Index, key_hash, key_hashes
-from maru.backends.pool.locks import (
+from maru.backends._pool.allocator import Allocator
+from maru.backends._pool.checksum import NO_CHECKSUM, intact
+from maru.backends._pool.checksum import checksum as object_checksum
+from maru.backends._pool.index import Index, key_hash, key_hashes
+from maru.backends._pool.locks import (
     Mutex,
     WriterSlots,
     forget_after_fork,
@@ -37,7 +36,7 @@ from maru.backends.pool.locks import (
     lock_descriptor_in_child,
     reset_after_fork,
 )
-from maru.backends.pool.region import (
+from maru.backends._pool.region import (
     ALIGN,
     COMMITTED,
     CORRUPT,
@@ -59,6 +58,7 @@ from maru.backends.pool.region import (
     Tables,
     round_up,
 )
+from maru.backends.base import ReadView, Removals, StoreStats
 from maru.errors import BackendError, ObjectTooLargeError
 
 SMALL_COPY = 1024 * 1024

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import logging
 import mmap
 import os
 import re
@@ -32,11 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from maru.backends.pool.locks import reset_after_fork
+from maru.backends._pool.locks import reset_after_fork
 from maru.errors import BackendError, ConfigError
+from maru.log import get_logger
 from maru.sizes import format_size
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 MADV_POPULATE_WRITE = 23
 """madvise(2) advice (Linux 5.14): fault pages in writable without touching them."""

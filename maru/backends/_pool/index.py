@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
+from maru.backends._pool.region import COMMITTED, FREE, NONE, Tables
 from maru.backends.base import key_digest
-from maru.backends.pool.region import COMMITTED, FREE, NONE, Tables
 
 key_hash = key_digest
 """The key's 64-bit hash (XXH3), the same in every process (and in removal logs)."""
