@@ -21,7 +21,6 @@ one row of `run_bytes` per block (see `maru.layouts`). Per chunk and layer:
 from __future__ import annotations
 
 import ctypes
-import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +30,9 @@ import torch
 
 from maru.errors import MaruError
 from maru.layouts import LayoutAdapter
+from maru.log import get_logger
 
-log = logging.getLogger("maru.transfer")
+log = get_logger(__name__)
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 WIDTHS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
@@ -183,7 +183,7 @@ def widest(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return list(tensors)
 
 
-# --- the engine -------------------------------------------------------------------
+# --- the data path -----------------------------------------------------------------
 
 
 @dataclass
@@ -199,7 +199,7 @@ class ChunkCopy:
     """Row of the object that goes into blocks.ids[0] (a load may skip blocks)."""
 
 
-class TransferEngine:
+class DataPath:
     """Moves chunks' pages between the caches an adapter recognised and host memory."""
 
     def __init__(self, adapter: LayoutAdapter, queue: CopyQueue | None = None) -> None:
