@@ -25,7 +25,7 @@ import torch
 
 import maru
 from maru.layouts import BlocksFirst, KVFirst, recognise
-from maru.transfer import Blocks, ChunkCopy, TransferEngine, host_tensor, pin
+from maru.transfer import Blocks, ChunkCopy, DataPath, host_tensor, pin
 
 
 def layouts(blocks: int, block_size: int, heads: int, head_dim: int, layers: int,
@@ -84,8 +84,8 @@ def same_pages(a: dict[str, torch.Tensor], a_ids: list[int], b: dict[str, torch.
 def round_trip(store: maru.Backend, source: dict[str, torch.Tensor],
                target: dict[str, torch.Tensor], blocks: int, chunk_blocks: int) -> bool:
     """Save a chunk of `source` into the pool and load it into other blocks of `target`."""
-    saver = TransferEngine(recognise(source, blocks, [KVFirst, BlocksFirst]))
-    loader = TransferEngine(recognise(target, blocks, [KVFirst, BlocksFirst]))
+    saver = DataPath(recognise(source, blocks, [KVFirst, BlocksFirst]))
+    loader = DataPath(recognise(target, blocks, [KVFirst, BlocksFirst]))
     ids = torch.randperm(blocks)[:2 * chunk_blocks].tolist()
     ids_from, ids_to = ids[:chunk_blocks], ids[chunk_blocks:]
     key = uuid.uuid4().hex
@@ -117,22 +117,22 @@ def throughput(caches: dict[str, torch.Tensor], blocks: int, chunk_blocks: int,
                repeats: int) -> dict[str, float]:
     """Save (gather + device->host) and load (host->device + scatter) of one chunk, as
     ratios to a pinned copy_ of the same bytes between one device tensor and host."""
-    engine = TransferEngine(recognise(caches, blocks, [KVFirst, BlocksFirst]))
-    nbytes = engine.payload_bytes(chunk_blocks)
-    host = engine.staging(nbytes)
-    flat = torch.empty(nbytes, dtype=torch.int8, device=engine.device)
+    path = DataPath(recognise(caches, blocks, [KVFirst, BlocksFirst]))
+    nbytes = path.payload_bytes(chunk_blocks)
+    host = path.staging(nbytes)
+    flat = torch.empty(nbytes, dtype=torch.int8, device=path.device)
     ids = torch.randperm(blocks)[:chunk_blocks].tolist()
     chunk = ChunkCopy(Blocks(ids), host, chunk_blocks)
-    sync = (lambda: torch.cuda.synchronize(engine.device)) if engine.on_device else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(path.device)) if path.on_device else (lambda: None)
 
     def save() -> None:
-        for name in engine.adapter.layers:
-            engine.save_layer(name, [chunk])
-        engine.saves_done().wait()
+        for name in path.adapter.layers:
+            path.save_layer(name, [chunk])
+        path.saves_done().wait()
 
     def load() -> None:
-        engine.load([chunk])
-        engine.loads_done().wait()
+        path.load([chunk])
+        path.loads_done().wait()
 
     save_s = seconds(save, sync, repeats)
     load_s = seconds(load, sync, repeats)

@@ -26,12 +26,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from maru.config import load_config
-from maru.transfer import TransferEngine
+from maru.transfer import DataPath
 from maru.vllm import compat
 from maru.vllm.metadata import MaruConnectorMetadata, MaruHandshake
 from maru.vllm.scheduler import MaruScheduler
 from maru.vllm.stats import MaruConnectorStats
-from maru.vllm.worker import MaruWorker, TransferFactory
+from maru.vllm.worker import DataPathFactory, MaruWorker
 
 __all__ = ["MaruConnectorMetadata", "MaruKVConnector"]
 
@@ -40,7 +40,7 @@ class MaruKVConnector(KVConnectorBase_V1):
     """vLLM KV connector that shares prompt KV through a maru store."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None,
-                 *, transfers: TransferFactory = TransferEngine) -> None:
+                 *, transfers: DataPathFactory = DataPath) -> None:
         """`transfers` makes the worker's data path (vLLM never passes it; tests do)."""
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})

@@ -9,7 +9,7 @@ import torch
 
 import maru
 from maru.connector import MaruKVConnector
-from maru.transfer import TransferEngine
+from maru.transfer import DataPath
 from maru.vllm.keys import HEADER_BYTES, rank_key
 from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruConnectorMetadata
 from tests.conftest import unique_name
@@ -42,7 +42,7 @@ def worker(tiny_model, pool: str, caches: dict[str, torch.Tensor], *, tp_size: i
     config = make_vllm_config(tiny_model, extra)
     config.parallel_config.tensor_parallel_size = tp_size
     connector = MaruKVConnector(config, KVConnectorRole.WORKER, make_kv_cache_config(NB),
-                                transfers=lambda adapter: TransferEngine(adapter, queue))
+                                transfers=lambda adapter: DataPath(adapter, queue))
     connector.register_kv_caches(caches)
     return connector
 

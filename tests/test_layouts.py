@@ -18,7 +18,7 @@ from maru.layouts import (
     recognise,
 )
 from maru.plugins import MaruPluginManager, get_plugin_manager
-from maru.transfer import Blocks, ChunkCopy, TransferEngine
+from maru.transfer import Blocks, ChunkCopy, DataPath
 
 NB, BS, H, D, LAYERS = 12, 32, 2, 64, 3
 BUILTINS = [KVFirst, BlocksFirst]
@@ -70,7 +70,7 @@ def block_dim_of(tensor: torch.Tensor) -> int:
 
 def save(adapter: LayoutAdapter, ids: list[int], payload: torch.Tensor) -> None:
     """Every layer's pages of blocks `ids` into `payload`."""
-    engine = TransferEngine(adapter)
+    engine = DataPath(adapter)
     for name in adapter.layers:
         engine.save_layer(name, [ChunkCopy(Blocks(ids), payload, len(ids))])
 
@@ -86,7 +86,7 @@ def round_trip(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor])
               for name, t in target.items()}
     stored = torch.empty(reader.block_bytes * 3, dtype=torch.int8)
     save(reader, ids_from, stored)
-    TransferEngine(writer).load([ChunkCopy(Blocks(ids_to), stored, 3)])
+    DataPath(writer).load([ChunkCopy(Blocks(ids_to), stored, 3)])
     for name, tensor in target.items():
         dim = block_dim_of(tensor)
         for src, dst in zip(ids_from, ids_to, strict=True):

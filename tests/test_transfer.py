@@ -10,7 +10,7 @@ from maru.layouts import recognise
 from maru.transfer import (
     Blocks,
     ChunkCopy,
-    TransferEngine,
+    DataPath,
     UnsupportedDeviceError,
     queue_for,
     widest,
@@ -39,12 +39,12 @@ def page(tensor: torch.Tensor, block: int) -> torch.Tensor:
     return tensor.select(block_dim_of(tensor), block).contiguous().cpu().flatten().view(torch.uint8)
 
 
-def save_chunk(engine: TransferEngine, ids: list[int]) -> torch.Tensor:
-    payload = engine.staging(engine.payload_bytes(len(ids)))
+def save_chunk(path: DataPath, ids: list[int]) -> torch.Tensor:
+    payload = path.staging(path.payload_bytes(len(ids)))
     chunk = ChunkCopy(Blocks(ids), payload, len(ids))
-    for name in engine.adapter.layers:
-        engine.save_layer(name, [chunk])
-    engine.saves_done().wait()
+    for name in path.adapter.layers:
+        path.save_layer(name, [chunk])
+    path.saves_done().wait()
     return payload
 
 
@@ -55,8 +55,8 @@ def test_pages_round_trip_bit_exactly(row: str, device: str, ids: str) -> None:
     source, target = caches(row, 1, device), caches(row, 100, device)
     before = {name: [page(t, b) for b in range(NB)] for name, t in target.items()}
     ids_from, ids_to = BLOCK_IDS[ids]
-    payload = save_chunk(TransferEngine(recognise(source, NB, BUILTINS)), ids_from)
-    loader = TransferEngine(recognise(target, NB, BUILTINS))
+    payload = save_chunk(DataPath(recognise(source, NB, BUILTINS)), ids_from)
+    loader = DataPath(recognise(target, NB, BUILTINS))
     assert loader.load([ChunkCopy(Blocks(ids_to), payload, 3)]) == set()
     loader.loads_done().wait()
     for name, tensor in target.items():
@@ -70,8 +70,8 @@ def test_pages_round_trip_bit_exactly(row: str, device: str, ids: str) -> None:
 def test_a_load_can_skip_the_first_blocks_of_a_chunk(device: str) -> None:
     row = "0.26 (NB,H,BS,2D) HND"
     source, target = caches(row, 1, device), caches(row, 100, device)
-    payload = save_chunk(TransferEngine(recognise(source, NB, BUILTINS)), [2, 3, 4])
-    loader = TransferEngine(recognise(target, NB, BUILTINS))
+    payload = save_chunk(DataPath(recognise(source, NB, BUILTINS)), [2, 3, 4])
+    loader = DataPath(recognise(target, NB, BUILTINS))
     loader.load([ChunkCopy(Blocks([7, 11]), payload, 3, first=1)])
     loader.loads_done().wait()
     for name, tensor in target.items():
@@ -82,9 +82,9 @@ def test_a_load_can_skip_the_first_blocks_of_a_chunk(device: str) -> None:
 def test_loads_complete_layer_by_layer() -> None:
     row = "0.26 (NB,H,BS,2D) HND"
     source, target = caches(row, 1, "cpu"), caches(row, 100, "cpu")
-    payload = save_chunk(TransferEngine(recognise(source, NB, BUILTINS)), [2, 3])
+    payload = save_chunk(DataPath(recognise(source, NB, BUILTINS)), [2, 3])
     queue = DeferredQueue()
-    loader = TransferEngine(recognise(target, NB, BUILTINS), queue)
+    loader = DataPath(recognise(target, NB, BUILTINS), queue)
     loader.load([ChunkCopy(Blocks([5, 6]), payload, 2)])
     assert not torch.equal(page(target["layer0"], 5), page(source["layer0"], 2)), "queued only"
     loader.wait_layer("layer0")
@@ -99,8 +99,8 @@ def test_loads_complete_layer_by_layer() -> None:
 def test_a_chunk_whose_copy_cannot_be_issued_is_reported_alone(monkeypatch) -> None:
     row = "0.26 (NB,H,BS,2D) HND"
     source, target = caches(row, 1, "cpu"), caches(row, 100, "cpu")
-    payload = save_chunk(TransferEngine(recognise(source, NB, BUILTINS)), [2, 3])
-    loader = TransferEngine(recognise(target, NB, BUILTINS))
+    payload = save_chunk(DataPath(recognise(source, NB, BUILTINS)), [2, 3])
+    loader = DataPath(recognise(target, NB, BUILTINS))
     short = payload[:-1]  # one byte short: its last layer cannot be copied
     failed = loader.load([ChunkCopy(Blocks([5, 6]), payload, 2),
                           ChunkCopy(Blocks([8, 9]), short, 2)])

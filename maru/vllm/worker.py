@@ -4,7 +4,7 @@ One object per chunk per tensor-parallel rank holds every layer's pages behind a
 (`maru.vllm.keys.object_header`): a save writes it into a reservation layer by layer and
 commits it only when whole, a load checks its header and copies it into the chunk's
 blocks. How bytes move is `maru.transfer`'s business; the worker takes a factory for
-its transfer engine, so a test can hand it one with a slowed-down or failing queue.
+its data path, so a test can hand it one with a slowed-down or failing queue.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from maru.plugins import get_plugin_manager
 from maru.transfer import (
     Blocks,
     ChunkCopy,
+    DataPath,
     Marker,
-    TransferEngine,
     UnsupportedDeviceError,
     host_tensor,
     pin,
@@ -51,8 +51,8 @@ from maru.vllm.stats import (
 
 log = get_logger(__name__)
 
-TransferFactory = Callable[[LayoutAdapter], TransferEngine]
-"""Makes the transfer engine for the layout a worker recognised."""
+DataPathFactory = Callable[[LayoutAdapter], DataPath]
+"""Makes the data path for the layout a worker recognised."""
 
 
 @dataclass
@@ -88,7 +88,7 @@ class MaruWorker:
     """Copies chunks between the store and the KV cache; runs in each vLLM worker."""
 
     def __init__(self, vllm_config: Any, config: MaruConfig, kv_cache_config: Any,
-                 transfers: TransferFactory = TransferEngine) -> None:
+                 transfers: DataPathFactory = DataPath) -> None:
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self.blocks_per_chunk = config.chunk_tokens // vllm_config.cache_config.block_size
         self.stats = MaruConnectorStats()
@@ -99,7 +99,7 @@ class MaruWorker:
                                f"tensor_parallel_size = {tp_size}")
         self.rank = rank or 0
         self._make_transfers = transfers
-        self.transfers: TransferEngine | None = None
+        self.transfers: DataPath | None = None
         """The data path, once `register_kv_caches` recognised the layout."""
         self.fingerprint = NO_DATA_PATH
         self.pinned = False
