@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from maru.backends.base import Backend, StoreStats
+from maru.backends.registry import backend_class
 from maru.config import MaruConfig, load_config
 from maru.errors import (
     BackendError,
@@ -44,10 +45,8 @@ __all__ = [
 
 def open_store(config: MaruConfig | None = None, **overrides: Any) -> Backend:
     """Open the backend named by `config.backend` (or by `load_config(**overrides)`)."""
-    from maru.plugins import get_plugin_manager
-
     if config is None:
         config = load_config(**overrides)
     elif overrides:
         raise TypeError("pass either a config or keyword overrides, not both")
-    return get_plugin_manager().backend(config.backend)(config)
+    return backend_class(config.backend)(config)

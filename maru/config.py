@@ -5,21 +5,27 @@ Precedence, highest first: explicit arguments > vLLM ``kv_connector_extra_config
 ``MARU_CONFIG``) > defaults. Each backend's options live in a section named after
 the backend and are validated by that backend's own ``Options`` model. Every
 value remembers where it came from, so errors and ``maru config show`` can say.
+
+Which backends exist is an input of validation, never read inside a validator:
+the pydantic validation context carries it under ``BACKENDS_CONTEXT`` as a mapping
+of backend name to ``Options`` class. The public entry points (``MaruConfig(...)``,
+``MaruConfig.model_validate``, ``model_validate_json``, ``resolve_config`` and
+``load_config``) take it as ``backends=`` or, by default, from the plugin manager.
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
 import json
 import logging
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import yaml
 from pydantic import (
@@ -28,23 +34,33 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
-    create_model,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
+    model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from maru.errors import ConfigError
+from maru.plugins import get_plugin_manager, options_model
 from maru.sizes import Size
 
 ENV_PREFIX = "MARU_"
 ENV_CONFIG_FILE = "MARU_CONFIG"
 ENV_NESTING = "__"
 DEFAULT_SOURCE = "default"
+BACKENDS_CONTEXT = "backends"
+"""Key of the validation context that holds the installed backends' Options by name."""
 SECRET_KEY_RE = re.compile(r"(^|_)(password|secret|token)$", re.IGNORECASE)
 ENV_JSON_RE = re.compile(r"^\s*(\[|\{|null\s*$)")
 """Environment values that are JSON: lists, mappings and null (others stay strings)."""
 
+Path_ = tuple[str, ...]
+Backends = Mapping[str, type[BaseModel]]
+"""The backends a config is validated against: each name and its Options model."""
+
 log = logging.getLogger(__name__)
+
 
 class Options(BaseModel):
     """Base for a backend's options section: unknown keys are errors."""
@@ -52,10 +68,73 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class MaruConfig(BaseModel):
-    """Maru's configuration. Backend sections are added per installed backend."""
+def installed_backends() -> Backends:
+    """The installed backends' Options models, from the process-wide plugin manager."""
+    return get_plugin_manager().backend_options
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+def _context(context: Mapping[str, Any] | None, backends: Backends | None) -> dict[str, Any]:
+    """A validation context naming the backends: `backends`, else those `context` names,
+    else the installed ones."""
+    context = dict(context or {})
+    if backends is not None:
+        context[BACKENDS_CONTEXT] = backends
+    elif context.get(BACKENDS_CONTEXT) is None:
+        context[BACKENDS_CONTEXT] = installed_backends()
+    return context
+
+
+@contextmanager
+def _config_errors(
+    backends: Backends, sources: Mapping[Path_, str] | None = None
+) -> Iterator[None]:
+    """Turn a ValidationError inside the block into the ConfigError that explains it."""
+    try:
+        yield
+    except ValidationError as exc:
+        raise config_error(exc, backends, sources) from None
+
+
+def _validate(data: Any, backends: Backends) -> MaruConfig:
+    """`data` validated against `backends`; ValidationError if it is bad."""
+    return MaruConfig.__pydantic_validator__.validate_python(
+        data, context={BACKENDS_CONTEXT: backends}
+    )
+
+
+def _context_backends(info: ValidationInfo) -> Backends:
+    """The backends in the validation context; an error if the caller gave none."""
+    backends = (info.context or {}).get(BACKENDS_CONTEXT)
+    if backends is None:
+        raise PydanticCustomError(
+            "backends_missing",
+            "MaruConfig is validated against a set of backends; allowed: MaruConfig(...), "
+            "MaruConfig.model_validate(..., backends=...) or a validation context with "
+            f"{BACKENDS_CONTEXT!r} mapping backend names to their Options models",
+        )
+    return backends
+
+
+def _line_errors(exc: ValidationError, prefix: Path_ = ()) -> list[InitErrorDetails]:
+    """`exc`'s errors, their locations under `prefix`, ready to be raised again."""
+    return [
+        InitErrorDetails(
+            type=PydanticCustomError(error["type"], error["msg"]),
+            loc=(*prefix, *error["loc"]),
+            input=error["input"],
+        )
+        for error in exc.errors()
+    ]
+
+
+class MaruConfig(BaseModel):
+    """Maru's configuration: the settings below and one section per backend.
+
+    A section holds that backend's validated Options, or None when not given; read it
+    as an attribute (`config.shm`) or with `backend_options`.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     backend: str = Field("shm", description="name of the storage backend")
     namespace: str = Field(
@@ -70,38 +149,80 @@ class MaruConfig(BaseModel):
     )
     config_file: Path | None = Field(None, description="YAML, TOML or JSON file to read")
 
-    installed_backends: ClassVar[tuple[str, ...] | None] = None
+    def __init__(self, /, **data: Any) -> None:
+        """Validate `data` against the installed backends; ConfigError if it is bad."""
+        backends = installed_backends()
+        with _config_errors(backends):
+            self.__pydantic_validator__.validate_python(
+                data, self_instance=self, context={BACKENDS_CONTEXT: backends}
+            )
+
+    # Like BaseModel's own __init__, this one only validates into `self`; the marker tells
+    # pydantic so, and model_validate then validates directly, keeping its context.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @classmethod
+    def model_validate(
+        cls,
+        obj: Any,
+        *,
+        backends: Backends | None = None,
+        context: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> MaruConfig:
+        """Validate `obj` against `backends` (default: the installed ones); ConfigError
+        if it is bad."""
+        context = _context(context, backends)
+        with _config_errors(context[BACKENDS_CONTEXT]):
+            return super().model_validate(obj, context=context, **kwargs)
+
+    @classmethod
+    def model_validate_json(
+        cls,
+        json_data: str | bytes | bytearray,
+        *,
+        backends: Backends | None = None,
+        context: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> MaruConfig:
+        """`model_validate` for JSON text."""
+        context = _context(context, backends)
+        with _config_errors(context[BACKENDS_CONTEXT]):
+            return super().model_validate_json(json_data, context=context, **kwargs)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _sections(
+        cls, data: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> Any:
+        """Validate each backend section by its backend's Options, refuse unknown keys,
+        and report every problem of the settings and the sections at once."""
+        if not isinstance(data, Mapping):
+            return handler(data)
+        backends = _context_backends(info)
+        settings = {key: value for key, value in data.items() if key in cls.model_fields}
+        sections, errors = _validated_sections(data, cls.model_fields, backends)
+        try:
+            config = handler({**settings, **sections})
+        except ValidationError as exc:
+            errors = _line_errors(exc) + errors
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        # Every section is stored (None where absent) but only those given count as set.
+        absent = {name for name in sections if name not in data}
+        object.__setattr__(config, "__pydantic_fields_set__", config.model_fields_set - absent)
+        return config
 
     @field_validator("backend")
     @classmethod
-    def _backend_installed(cls, name: str) -> str:
-        installed = cls.installed_backends
-        if installed is None:
-            from maru.plugins import get_plugin_manager
-
-            installed = tuple(get_plugin_manager().backends)
+    def _backend_installed(cls, name: str, info: ValidationInfo) -> str:
+        installed = _context_backends(info)
         if name not in installed:
             raise PydanticCustomError(
                 "backend_not_installed",
                 f"no backend named {name!r} is installed; allowed: {', '.join(sorted(installed))}",
             )
         return name
-
-    @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> MaruConfig:
-        """Validate, with the sections of the installed backends when called on MaruConfig."""
-        model = config_model() if cls is MaruConfig else cls
-        return super(MaruConfig, model).model_validate(obj, **kwargs)
-
-    @classmethod
-    def model_validate_json(cls, json_data: str | bytes, **kwargs: Any) -> MaruConfig:
-        """`model_validate` for JSON text."""
-        model = config_model() if cls is MaruConfig else cls
-        return super(MaruConfig, model).model_validate_json(json_data, **kwargs)
-
-    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
-        """Pickle as data: the class with backend sections is made per process."""
-        return MaruConfig.model_validate, (self.model_dump(),)
 
     def portable(self) -> dict[str, Any]:
         """JSON-ready settings, secrets included, for handing this config to another
@@ -117,33 +238,37 @@ class MaruConfig(BaseModel):
         return data
 
     def backend_options(self, name: str | None = None) -> BaseModel:
-        """The validated options section of backend `name` (default: the selected one)."""
+        """The validated options section of backend `name` (default: the selected one),
+        or that installed backend's default Options when the config has none."""
         name = name or self.backend
-        section = getattr(self, name, None) if name in type(self).model_fields else None
+        section = (self.model_extra or {}).get(name)
         if section is not None:
             return section
-        from maru.plugins import get_plugin_manager
-
-        return get_plugin_manager().backend(name).Options()
+        return options_model(get_plugin_manager().provided_backend(name))()
 
 
-@functools.cache
-def _config_model(backends: tuple[tuple[str, type[BaseModel]], ...]) -> type[MaruConfig]:
-    sections: dict[str, Any] = {name: (opts | None, None) for name, opts in backends}
-    model = create_model("MaruConfig", __base__=MaruConfig, **sections)
-    model.installed_backends = tuple(name for name, _ in backends)
-    return model
-
-
-def config_model() -> type[MaruConfig]:
-    """MaruConfig with one optional section per installed backend."""
-    from maru.plugins import get_plugin_manager
-
-    backends = get_plugin_manager().backends
-    return _config_model(tuple((name, p.cls.Options) for name, p in backends.items()))
-
-
-Path_ = tuple[str, ...]
+def _validated_sections(
+    data: Mapping[Any, Any], settings: Mapping[str, Any], backends: Backends
+) -> tuple[dict[str, BaseModel | None], list[InitErrorDetails]]:
+    """Every backend's section of `data`, validated (None where absent), and the errors
+    of the bad sections and of the keys that are neither a setting nor a backend."""
+    sections: dict[str, BaseModel | None] = dict.fromkeys(backends)
+    errors: list[InitErrorDetails] = []
+    for key, value in data.items():
+        if key in settings:
+            continue
+        if key not in backends:
+            errors.append(InitErrorDetails(
+                type=PydanticCustomError("extra_forbidden", "Extra inputs are not permitted"),
+                loc=(str(key),),
+                input=value,
+            ))
+            continue
+        try:
+            sections[key] = None if value is None else backends[key].model_validate(value)
+        except ValidationError as exc:
+            errors.extend(_line_errors(exc, (key,)))
+    return sections, errors
 
 
 @dataclass
@@ -203,7 +328,7 @@ def leaves(values: Mapping[str, Any], prefix: Path_ = ()) -> list[tuple[Path_, A
 
 
 def _env_layer(
-    env: Mapping[str, str], model: type[BaseModel]
+    env: Mapping[str, str], backends: Backends
 ) -> tuple[dict[str, Any], dict[Path_, str]]:
     """The `MARU_*` settings; an unknown variable is a warning, never an error, since a
     stray variable in a serving environment must not stop vLLM from starting."""
@@ -213,9 +338,9 @@ def _env_layer(
         if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
             continue
         path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING))
-        if not _known_path(model, path):
+        if not _known_path(backends, path):
             log.warning("ignoring environment variable %s: maru has no such setting "
-                        "(the closest is %s)", name, _closest_env_name(model, path))
+                        "(the closest is %s)", name, _closest_env_name(backends, path))
             continue
         target = values
         for part in path[:-1]:
@@ -246,28 +371,46 @@ def _section_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
     return nested[0] if nested else None
 
 
-def _known_path(model: type[BaseModel], path: Path_) -> bool:
-    for part in path[:-1]:
-        nested = _section_model(model, part)
-        if nested is None:
-            return False
-        model = nested
-    return path[-1] in model.model_fields
+def _model_at(backends: Backends, path: Path_) -> type[BaseModel] | None:
+    """The model of the mapping at `path` below the top level: a backend's Options, or a
+    model nested in it; None if `path` names no mapping."""
+    model = backends.get(path[0])
+    for part in path[1:]:
+        if model is None:
+            return None
+        model = _section_model(model, part)
+    return model
 
 
-def _closest_env_name(model: type[BaseModel], path: Path_) -> str:
+def _known_path(backends: Backends, path: Path_) -> bool:
+    """Is `path` a setting: a top-level one, a backend's section, or a key inside one?"""
+    if len(path) == 1:
+        return path[0] in MaruConfig.model_fields or path[0] in backends
+    model = _model_at(backends, path[:-1])
+    return model is not None and path[-1] in model.model_fields
+
+
+def _closest_env_name(backends: Backends, path: Path_) -> str:
     """The variable of the known setting whose name is closest to `path`."""
-    known = {ENV_NESTING.join(p).upper(): p for p in _setting_paths(model)}
+    known = {ENV_NESTING.join(p).upper(): p for p in _setting_paths(backends)}
     wanted = ENV_NESTING.join(path).upper()
     closest = difflib.get_close_matches(wanted, known, n=1, cutoff=0) or sorted(known)
     return ENV_PREFIX + closest[0]
 
 
-def _setting_paths(model: type[BaseModel], prefix: Path_ = ()) -> list[Path_]:
+def _setting_paths(backends: Backends) -> list[Path_]:
+    """The path of every leaf setting: the top-level ones and those of every section."""
+    paths: list[Path_] = [(key,) for key in MaruConfig.model_fields]
+    for name, options in backends.items():
+        paths.extend(_model_paths(options, (name,)))
+    return paths
+
+
+def _model_paths(model: type[BaseModel], prefix: Path_) -> list[Path_]:
     paths: list[Path_] = []
     for key in model.model_fields:
         nested = _section_model(model, key)
-        paths.extend(_setting_paths(nested, (*prefix, key)) if nested else [(*prefix, key)])
+        paths.extend(_model_paths(nested, (*prefix, key)) if nested else [(*prefix, key)])
     return paths
 
 
@@ -321,10 +464,13 @@ def resolve_config(
     *,
     extra_config: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
+    backends: Backends | None = None,
     **overrides: Any,
 ) -> ResolvedConfig:
-    """Merge every source by precedence, validate, and keep each value's source."""
+    """Merge every source by precedence, validate against `backends` (default: the
+    installed ones), and keep each value's source."""
     env = os.environ if env is None else env
+    backends = installed_backends() if backends is None else backends
     extra = dict(extra_config or {})
     if config_file is not None:
         overrides["config_file"] = config_file
@@ -333,19 +479,15 @@ def resolve_config(
     if chosen:
         path, source = chosen
         merger.add(read_config_file(path, source), f"file {path}")
-    model = config_model()
-    env_values, env_names = _env_layer(env, model)
+    env_values, env_names = _env_layer(env, backends)
     merger.add(env_values, env_names=env_names)
     merger.add(extra, "kv_connector_extra_config")
     merger.add(overrides, "argument")
     if chosen:
         merger.data["config_file"] = str(chosen[0])
         merger.sources[("config_file",)] = chosen[1]
-    try:
-        config = model.model_validate(merger.data)
-    except ValidationError as exc:
-        raise config_error(exc, model, merger.sources) from None
-    return ResolvedConfig(config, merger.sources)
+    with _config_errors(backends, merger.sources):
+        return ResolvedConfig(_validate(merger.data, backends), merger.sources)
 
 
 def load_config(
@@ -353,10 +495,13 @@ def load_config(
     *,
     extra_config: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
+    backends: Backends | None = None,
     **overrides: Any,
 ) -> MaruConfig:
     """The validated MaruConfig from arguments, vLLM extra config, env and file."""
-    return resolve_config(config_file, extra_config=extra_config, env=env, **overrides).config
+    return resolve_config(
+        config_file, extra_config=extra_config, env=env, backends=backends, **overrides
+    ).config
 
 
 def shown_value(path: Path_, value: Any) -> Any:
@@ -365,33 +510,27 @@ def shown_value(path: Path_, value: Any) -> Any:
 
 
 def config_error(
-    exc: ValidationError, model: type[BaseModel], sources: Mapping[Path_, str]
+    exc: ValidationError, backends: Backends, sources: Mapping[Path_, str] | None = None
 ) -> ConfigError:
-    """One ConfigError naming each bad field, its value, its source and what is allowed."""
+    """One ConfigError naming each bad field, its value, its source (when `sources`
+    knows them) and what is allowed."""
     problems = []
     for error in exc.errors():
         path = tuple(str(part) for part in error["loc"])
         message = error["msg"]
         if error["type"] == "extra_forbidden":
-            message = f"unknown key; allowed: {_allowed_keys(model, path[:-1])}"
+            message = f"unknown key; allowed: {_allowed_keys(backends, path[:-1])}"
         value = shown_value(path, error["input"])
-        problems.append(
-            f"{'.'.join(path) or '(top level)'} = {value!r} "
-            f"(from {source_of(sources, path)}): {message}"
-        )
+        where = f" (from {source_of(sources, path)})" if sources is not None else ""
+        problems.append(f"{'.'.join(path) or '(top level)'} = {value!r}{where}: {message}")
     return ConfigError("invalid maru config: " + "; ".join(problems))
 
 
-def _allowed_keys(model: type[BaseModel], path: Path_) -> str:
-    for part in path:
-        nested = _section_model(model, part)
-        if nested is None:
-            return "(none)"
-        model = nested
-    keys = ", ".join(model.model_fields)
-    if not path and getattr(model, "installed_backends", None) is not None:
+def _allowed_keys(backends: Backends, path: Path_) -> str:
+    if not path:
         return (
             f"{', '.join(MaruConfig.model_fields)} and the sections of installed "
-            f"backends ({', '.join(model.installed_backends)})"
+            f"backends ({', '.join(backends) or 'none'})"
         )
-    return keys or "(none)"
+    model = _model_at(backends, path)
+    return ", ".join(model.model_fields) if model and model.model_fields else "(none)"

@@ -3,6 +3,10 @@
 Entry points are loaded once, on first use. Built-ins go through the same hooks
 as third-party plugins; every backend and layout adapter is attributed to the
 distribution that provides it, so conflicts and `maru info` can name it.
+
+This module sits below the backends: it names the classes plugins provide and
+checks their pydantic ``Options`` model, which configs are validated by; that a
+backend class is a ``Backend`` is checked above it, in ``maru.backends.registry``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pluggy
+from pydantic import BaseModel
 
 from maru import hookspecs
 from maru.errors import ConfigError, PluginError
@@ -102,10 +107,12 @@ class MaruPluginManager:
     @functools.cached_property
     def backends(self) -> dict[str, Provided]:
         """Backend classes by name."""
-        provided = self._collect(self._pm.hook.maru_backends, "backend")
-        for item in provided.values():
-            _check_backend_class(item)
-        return provided
+        return self._collect(self._pm.hook.maru_backends, "backend")
+
+    @functools.cached_property
+    def backend_options(self) -> dict[str, type[BaseModel]]:
+        """Each backend's Options model by name: what a config's sections are validated by."""
+        return {name: options_model(item) for name, item in self.backends.items()}
 
     @functools.cached_property
     def layout_adapters(self) -> dict[str, Provided]:
@@ -114,8 +121,12 @@ class MaruPluginManager:
 
     def backend(self, name: str) -> type:
         """The backend class called `name`, or a ConfigError listing what is installed."""
+        return self.provided_backend(name).cls
+
+    def provided_backend(self, name: str) -> Provided:
+        """The backend called `name` and its plugin, or a ConfigError listing what is installed."""
         try:
-            return self.backends[name].cls
+            return self.backends[name]
         except KeyError:
             raise ConfigError(
                 f"backend: no backend named {name!r} is installed; "
@@ -144,19 +155,18 @@ class MaruPluginManager:
         return provided
 
 
-def _check_backend_class(item: Provided) -> None:
-    from pydantic import BaseModel
-
-    from maru.backends.base import Backend
-
+def options_model(item: Provided) -> type[BaseModel]:
+    """The pydantic Options model of backend `item`; PluginError naming its distribution
+    if it has none."""
     options = getattr(item.cls, "Options", None)
-    if not (isinstance(item.cls, type) and issubclass(item.cls, Backend)):
-        problem = "does not subclass maru.backends.base.Backend"
-    elif not (isinstance(options, type) and issubclass(options, BaseModel)):
-        problem = "has no pydantic 'Options' model"
-    else:
-        return
-    raise PluginError(
+    if not (isinstance(options, type) and issubclass(options, BaseModel)):
+        raise plugin_error(item, "has no pydantic 'Options' model")
+    return options
+
+
+def plugin_error(item: Provided, problem: str) -> PluginError:
+    """A PluginError naming the backend, the distribution that provides it and `problem`."""
+    return PluginError(
         f"backend {item.name!r} from distribution {item.plugin.distribution!r} {problem}"
     )
 

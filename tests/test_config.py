@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import pickle
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 import maru
-from maru.config import resolve_config
+from maru import config as config_module
+from maru.config import BACKENDS_CONTEXT, MaruConfig, Options, resolve_config
 from maru.sizes import parse_size
 
 GIB, MIB = 2**30, 2**20
@@ -305,9 +309,162 @@ def test_secrets_reach_another_process_intact_and_are_masked_when_shown() -> Non
 
 
 def test_a_config_travels_to_other_processes_by_pickle() -> None:
-    import pickle
-
     config = maru.load_config(capacity="1GiB", shm={"name": "elsewhere"})
     copy = pickle.loads(pickle.dumps(config))
     assert copy == config
     assert copy.shm.name == "elsewhere"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: maru.MaruConfig(backend="shm", shm={"name": "x"}),
+        lambda: MaruConfig.model_validate({"backend": "shm", "shm": {"name": "x"}}),
+        lambda: MaruConfig.model_validate_json('{"backend": "shm", "shm": {"name": "x"}}'),
+        lambda: maru.load_config(env={}, backend="shm", shm={"name": "x"}),
+    ],
+)
+def test_every_entry_point_gives_exactly_a_maru_config(make) -> None:
+    config = make()
+    assert type(config) is maru.MaruConfig
+    assert config.shm.name == "x"
+    assert config.backend_options() is config.shm
+    assert config.cxl is None
+    assert config.model_fields_set == {"backend", "shm"}
+
+
+def test_configs_from_every_entry_point_are_equal() -> None:
+    direct = maru.MaruConfig(backend="mock", mock={"seed": 3}, capacity="1GiB")
+    assert direct == MaruConfig.model_validate(direct.model_dump())
+    assert direct == maru.load_config(env={}, **direct.portable())
+    assert direct == MaruConfig.model_validate_json(json.dumps(direct.portable()))
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (
+            lambda: maru.MaruConfig(backend="shm", shm={"bogus": 1}),
+            "shm.bogus = 1: unknown key; allowed: checksum, prefault, name",
+        ),
+        (
+            lambda: maru.MaruConfig(capacity="lots"),
+            "capacity = 'lots': not a size; allowed: a size such as 4GiB",
+        ),
+        (
+            lambda: maru.MaruConfig(backend="nope"),
+            "backend = 'nope': no backend named 'nope' is installed; "
+            "allowed: cxl, dirstore, mock, redis, shm, tiered",
+        ),
+        (
+            lambda: MaruConfig.model_validate({"bogus": 1}),
+            "bogus = 1: unknown key; allowed: backend, namespace, capacity, chunk_tokens, "
+            "error_backoff, config_file and the sections of installed backends (mock, shm, "
+            "cxl, redis, tiered, dirstore)",
+        ),
+        (
+            lambda: MaruConfig.model_validate_json('{"mock": {"fail_rate": 2}}'),
+            "mock.fail_rate = 2: Input should be less than or equal to 1",
+        ),
+        (
+            lambda: MaruConfig.model_validate("shm"),
+            "(top level) = 'shm': Input should be a valid dictionary or instance of MaruConfig",
+        ),
+    ],
+)
+def test_bad_input_to_the_model_is_a_config_error_naming_field_value_and_allowed(
+    make, expected: str
+) -> None:
+    with pytest.raises(maru.ConfigError) as caught:
+        make()
+    assert expected in str(caught.value)
+
+
+class FakeOptions(Options):
+    size: int = 1
+
+
+FAKE_BACKENDS = {"fake": FakeOptions}
+
+
+@pytest.fixture
+def no_plugin_manager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail any read of the process-wide plugin manager by config validation."""
+
+    def refuse() -> None:
+        raise AssertionError("validation read the global plugin manager")
+
+    monkeypatch.setattr(config_module, "get_plugin_manager", refuse)
+
+
+@pytest.mark.usefixtures("no_plugin_manager")
+def test_validation_against_a_given_set_of_backends_reads_no_plugin_manager() -> None:
+    data = {"backend": "fake", "fake": {"size": 3}}
+    config = MaruConfig.model_validate(data, backends=FAKE_BACKENDS)
+    assert type(config) is MaruConfig
+    assert config.fake == FakeOptions(size=3)
+    assert config.backend_options() == FakeOptions(size=3)
+    assert MaruConfig.model_validate(data, context={BACKENDS_CONTEXT: FAKE_BACKENDS}) == config
+    assert MaruConfig.model_validate_json(json.dumps(data), backends=FAKE_BACKENDS) == config
+    assert maru.load_config(env={"MARU_FAKE__SIZE": "3"}, backends=FAKE_BACKENDS,
+                            backend="fake") == config
+    assert pickle.loads(pickle.dumps(config)) == config
+
+
+@pytest.mark.usefixtures("no_plugin_manager")
+def test_errors_against_a_given_set_of_backends_name_only_those() -> None:
+    with pytest.raises(maru.ConfigError) as caught:
+        maru.load_config(env={}, backends=FAKE_BACKENDS, backend="shm", fake={"size": "x"},
+                         shm={})
+    message = str(caught.value)
+    assert "backend = 'shm' (from argument): no backend named 'shm' is installed; " \
+           "allowed: fake" in message
+    assert "fake.size = 'x' (from argument): Input should be a valid integer" in message
+    assert "shm = {} (from argument): unknown key; allowed: backend, namespace" in message
+    assert "sections of installed backends (fake)" in message
+
+
+def test_validation_without_a_set_of_backends_says_how_to_give_one() -> None:
+    with pytest.raises(ValidationError, match="MaruConfig is validated against a set of "
+                       r"backends; allowed: MaruConfig\(\.\.\.\)"):
+        MaruConfig.__pydantic_validator__.validate_python({"backend": "shm"})
+
+
+def test_a_pickled_config_is_a_maru_config_with_its_sections_and_secrets() -> None:
+    config = maru.MaruConfig(backend="redis", redis={"password": "hunter2"})
+    copy = pickle.loads(pickle.dumps(config))
+    assert type(copy) is MaruConfig
+    assert copy == config
+    assert copy.redis.password.get_secret_value() == "hunter2"
+    with pytest.raises(ValidationError):
+        copy.backend = "shm"  # type: ignore[misc]
+
+
+LOWEST_LAYER = {"maru.config", "maru.plugins", "maru.hookspecs", "maru.errors", "maru.sizes",
+                "maru.log"}
+"""The bottom layer: it may import only from itself (`maru` itself is the top facade)."""
+
+
+def maru_imports(module: str) -> set[str]:
+    """Every maru module that `module`'s source imports, function bodies included."""
+    path = Path(maru.__file__).parent / f"{module.removeprefix('maru.')}.py"
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "maru":
+            imported.update(f"maru.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+    return {name for name in imported if name.split(".")[0] == "maru"}
+
+
+@pytest.mark.parametrize("module", ["maru.config", "maru.plugins"])
+def test_the_lowest_layer_imports_nothing_above_it(module: str) -> None:
+    upward = maru_imports(module) - LOWEST_LAYER
+    assert not upward, f"{module} imports from layers above it: {sorted(upward)}"
+
+
+def test_plugins_do_not_import_config_which_imports_them() -> None:
+    assert "maru.plugins" in maru_imports("maru.config")
+    assert "maru.config" not in maru_imports("maru.plugins")

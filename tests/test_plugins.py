@@ -10,6 +10,8 @@ import pytest
 
 import maru
 from maru.backends.mock import MockBackend
+from maru.backends.registry import backend_class, backend_classes
+from maru.config import Options
 from maru.plugins import MaruPluginManager, get_plugin_manager
 
 
@@ -98,7 +100,7 @@ def test_malformed_backends_are_refused_with_the_reason(body: str, problem: str)
             return [namespace["Thing"]]
 
     with pytest.raises(maru.PluginError, match=problem):
-        MaruPluginManager(load_entry_points=False, plugins=[Plugin]).backends  # noqa: B018
+        backend_classes(MaruPluginManager(load_entry_points=False, plugins=[Plugin]))
 
 
 def test_layout_adapters_come_through_their_hook() -> None:
@@ -113,3 +115,56 @@ def test_layout_adapters_come_through_their_hook() -> None:
 
     manager = MaruPluginManager(load_entry_points=False, plugins=[Plugin])
     assert manager.layout_adapters["test-adapter"].cls is Adapter
+
+
+class ThingOptions(Options):
+    size: int = 1
+
+
+class NotABackend:
+    name = "thing"
+    Options = ThingOptions
+
+
+class ThingPlugin:
+    @staticmethod
+    @maru.hookimpl
+    def maru_backends():
+        return [NotABackend]
+
+
+def test_the_plugin_manager_validates_options_but_leaves_the_backend_check_to_the_registry():
+    manager = MaruPluginManager(load_entry_points=False, plugins=[ThingPlugin])
+    assert manager.backend_options["thing"] is ThingOptions
+    assert manager.backend("thing") is NotABackend
+    with pytest.raises(
+        maru.PluginError,
+        match=r"backend 'thing' from distribution '.*' "
+        r"does not subclass maru\.backends\.base\.Backend",
+    ):
+        backend_class("thing", manager)
+
+
+def test_the_registry_hands_out_checked_backend_classes() -> None:
+    manager = MaruPluginManager(load_entry_points=False)
+    assert backend_class("mock", manager) is MockBackend
+    assert backend_classes(manager)["mock"] is MockBackend
+
+
+def test_the_registry_names_the_installed_backends_for_an_unknown_one() -> None:
+    with pytest.raises(
+        maru.ConfigError,
+        match=r"backend: no backend named 'nosuch' is installed; installed backends: "
+        r"cxl, dirstore, mock, redis, shm, tiered",
+    ):
+        backend_class("nosuch")
+
+
+def test_open_store_refuses_a_class_that_is_not_a_backend(monkeypatch) -> None:
+    manager = MaruPluginManager(load_entry_points=False, plugins=[ThingPlugin])
+    monkeypatch.setattr("maru.backends.registry.get_plugin_manager", lambda: manager)
+    config = maru.MaruConfig.model_validate(
+        {"backend": "thing"}, backends=manager.backend_options
+    )
+    with pytest.raises(maru.PluginError, match="does not subclass"):
+        maru.open_store(config)
