@@ -144,3 +144,47 @@ def test_bench_redis_names_an_unreachable_server_from_the_config_file(capsys, tm
     code, _, err = run_cli(capsys, "bench", "--backend", "redis", "--config", str(path))
     assert code == 1
     assert url.removesuffix("/0") in err and "Traceback" not in err
+
+
+def test_bench_measures_a_plugin_backend_by_name(capsys, tmp_path) -> None:
+    """The example plugin declares no private store: the benchmark measures the
+    configured one under a namespace of its own, and deletes what it wrote."""
+    objects = tmp_path / "objects"
+    config = tmp_path / "maru.yaml"
+    config.write_text(f"dirstore:\n  path: {objects}\n")
+    code, out, err = run_cli(capsys, "bench", "--backend", "dirstore", "--size", "64KiB",
+                             "--capacity", "16MiB", "--config", str(config), "--json")
+    assert code == 0, err
+    (report,) = json.loads(out)
+    assert report["backend"] == "dirstore" and report["first_pass"] is None
+    assert [row["size"] for row in report["sizes"]] == [64 * 1024]
+    assert report["sizes"][0]["put_gbps"] > 0 and report["sizes"][0]["get_into_gbps"] > 0
+    assert set(report["latency"]) == {"contains_128_us", "put_4k_us", "get_4k_us"}
+    assert [path for path in objects.rglob("*") if path.is_file()] == []
+    code, out, _ = run_cli(capsys, "bench", "--backend", "dirstore", "--size", "64KiB",
+                           "--capacity", "16MiB", "--config", str(config))
+    assert code == 0 and "backend dirstore: throughput in GB/s" in out
+    assert "first pass" not in out
+
+
+def test_bench_refuses_an_unknown_backend_listing_the_installed_ones(capsys) -> None:
+    code, _, err = run_cli(capsys, "bench", "--backend", "mock", "--backend", "nosuch")
+    assert code == 2
+    assert "no backend named 'nosuch' is installed" in err
+    assert "cxl, dirstore, mock, redis, shm, tiered" in err
+    assert "mock:" not in err, "nothing was measured before the unknown name was refused"
+
+
+def test_bench_measures_the_configured_backend_by_default(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("MARU_BACKEND", "mock")
+    code, out, err = run_cli(capsys, "bench", "--size", "64KiB", "--capacity", "16MiB")
+    assert code == 0 and "backend mock: throughput" in out
+    assert "mock: 64 KiB objects" in err
+
+
+@pytest.mark.parametrize("bad", ["0", "12 parsecs", "-1K"])
+def test_bench_sizes_are_validated(capsys, bad) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", f"--size={bad}"])
+    assert exited.value.code == 2
+    assert f"argument --size: {bad!r}" in capsys.readouterr().err

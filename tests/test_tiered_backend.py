@@ -108,3 +108,49 @@ def test_every_tier_failing_is_a_backend_error(tiered, monkeypatch) -> None:
 def test_tier_lists_are_validated(tiers, problem) -> None:
     with pytest.raises(maru.ConfigError, match=problem):
         maru.load_config(backend="tiered", tiered={"tiers": tiers})
+
+
+@pytest.fixture
+def plugin_tiers(open_stores, tmp_path):
+    """Open a tiered store of a mock and the example plugin's dirstore (which cannot list
+    its keys), in the order given."""
+
+    def make(*tiers: str) -> maru.Backend:
+        return open_stores(backend="tiered", capacity=1 << 20, namespace=unique_name(),
+                           tiered={"tiers": list(tiers)}, mock={"name": unique_name()},
+                           dirstore={"path": str(tmp_path / "objects")})
+
+    return make
+
+
+def test_a_tier_that_cannot_list_its_keys_is_left_out_of_keys_and_delete_prefix(
+        plugin_tiers) -> None:
+    store = plugin_tiers("mock", "dirstore")
+    mock, dirstore = store.tiers
+    assert (store.lists_keys, mock.lists_keys, dirstore.lists_keys) == (True, True, False)
+    store.put(b"maru/a/1", b"x")
+    store.put(b"maru/b/1", b"y")
+    assert store.keys(b"maru/") == [b"maru/a/1", b"maru/b/1"]
+    assert store.delete_prefix(b"maru/a/") == 1
+    assert mock.contains([b"maru/a/1", b"maru/b/1"]) == [False, True]
+
+
+def test_keys_are_unsupported_only_when_no_tier_can_list_them(plugin_tiers, monkeypatch) -> None:
+    store = plugin_tiers("dirstore", "mock")
+    monkeypatch.setattr(store.tiers[1], "lists_keys", False)
+
+    def cannot(prefix: bytes) -> None:
+        raise maru.UnsupportedOperationError("the mock backend does not support keys()")
+
+    monkeypatch.setattr(store.tiers[1], "keys", cannot)
+    monkeypatch.setattr(store.tiers[1], "delete_prefix", cannot)
+    with pytest.raises(maru.UnsupportedOperationError, match=r"keys\(\).*dirstore, mock"):
+        store.keys(b"maru/")
+    with pytest.raises(maru.UnsupportedOperationError, match=r"delete_prefix\(\)"):
+        store.delete_prefix(b"maru/")
+
+
+@pytest.mark.parametrize(("tiers", "medium"), [(("mock", "dirstore"), "host"),
+                                               (("dirstore", "mock"), "disk")])
+def test_the_bytes_live_where_the_first_tiers_do(plugin_tiers, tiers, medium) -> None:
+    assert plugin_tiers(*tiers).medium == medium

@@ -38,6 +38,10 @@ class DirStore(Backend):
     name = "dirstore"
     Options = DirStoreOptions
     description = "example plugin: one file per object"
+    medium = "disk"
+    """Its bytes live in files on this machine. It keeps no removal log and cannot list
+    its keys (`removal_log` and `lists_keys` keep their default, False), and it has no
+    private store for `maru bench` (`bench_options` keeps its default)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
