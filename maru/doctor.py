@@ -11,12 +11,10 @@ once an engine has allocated its KV cache, so it is shown, not compared.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from maru.config import MaruConfig, load_config
-from maru.errors import ConfigError, MaruError
 from maru.vllm.records import Namespace, differing_fields, last_active, namespaces
 
 FROM_VLLM = ("model", "dtype", "kv_dtype", "block_size", "tp_size", "hash_algorithm",
@@ -57,74 +55,19 @@ def expect(config_file: str | None, vllm_command: list[str]) -> Expectation:
         config = load_config(config_file)
         unknown = dict.fromkeys(FROM_VLLM, "needs the vLLM command line, after --")
         return Expectation(config, _maru_fields(config), unknown | {"layout": LAYOUT_NOTE})
+    from maru.vllm.command_line import expected_record, vllm_config_from_command
+
     vllm_config = vllm_config_from_command(vllm_command)
     transfer = vllm_config.kv_transfer_config
     extra = dict(transfer.kv_connector_extra_config or {}) if transfer else {}
     config = load_config(config_file, extra_config=extra)
-    return _expect_from_vllm(vllm_config, config)
+    record, advice = expected_record(vllm_config, config)
+    del record["layout"]
+    return Expectation(config, record, {"layout": LAYOUT_NOTE}, advice)
 
 
 def _maru_fields(config: MaruConfig) -> dict[str, Any]:
     return {"namespace": config.namespace, "chunk_tokens": config.chunk_tokens}
-
-
-def _expect_from_vllm(vllm_config: Any, config: MaruConfig) -> Expectation:
-    """The record as the connector's scheduler half computes it, the layout aside."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import init_none_hash
-
-    from maru.vllm.identity import (
-        hash_seed_advice,
-        kv_identity,
-        model_identity,
-        namespace_record,
-    )
-
-    init_none_hash(get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo))
-    model = vllm_config.model_config
-    identity = kv_identity(vllm_config, config, "", model_identity(model.model, model.revision))
-    record = namespace_record(vllm_config, config, identity)
-    del record["layout"]
-    return Expectation(config, record, {"layout": LAYOUT_NOTE}, hash_seed_advice(vllm_config))
-
-
-def vllm_config_from_command(command: list[str]) -> Any:
-    """vLLM's configuration for a `vllm serve MODEL ...` command line (the leading `vllm
-    serve` may be left out), resolved by vLLM itself."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    words = list(command)
-    for word in ("vllm", "serve"):
-        if words and words[0] == word:
-            words.pop(0)
-    try:
-        parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
-    except Exception as exc:  # e.g. a CUDA build of vLLM on a machine without a GPU
-        from vllm import __version__ as vllm_version
-
-        raise MaruError(f"vLLM {vllm_version} cannot build its configuration on this machine "
-                        f"({type(exc).__name__}: {exc}); run maru doctor where the instance "
-                        "runs") from exc
-    parser.add_argument("model_tag", nargs="?")
-    parser.error = _command_line_error  # type: ignore[method-assign]
-    args = parser.parse_args(words)
-    engine_args = EngineArgs.from_cli_args(args)
-    if args.model_tag:
-        engine_args.model = args.model_tag
-    disabled = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # vLLM logs to stdout, where --json goes
-    try:
-        return engine_args.create_engine_config()
-    except Exception as exc:
-        raise ConfigError(f"vLLM command line {' '.join(command)!r}: vLLM says: "
-                          f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        logging.disable(disabled)
-
-
-def _command_line_error(message: str) -> None:
-    raise ConfigError(f"vLLM command line: {message}; allowed: what `vllm serve` takes")
 
 
 def diagnose(store: Any, expectation: Expectation) -> Diagnosis:

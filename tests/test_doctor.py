@@ -10,7 +10,11 @@ import pytest
 
 import maru
 from maru.cli import main
+from maru.vllm.keys import DIGEST_CHARS, namespace_prefix, rank_key
 from maru.vllm.records import write_record
+
+A, B = "a" * DIGEST_CHARS, "b" * DIGEST_CHARS
+"""The digests of the two namespaces in the pool."""
 
 
 @pytest.fixture
@@ -22,20 +26,20 @@ def pool(pool_names, monkeypatch):
     monkeypatch.setenv("MARU_CAPACITY", "16MiB")
     monkeypatch.setenv("MARU_CHUNK_TOKENS", "64")
     with maru.open_store(backend="shm", capacity="16MiB", shm={"name": name}) as store:
-        for digest, chunk_tokens in (("aaaa", 64), ("bbbb", 128)):
-            write_record(store, f"maru/default/{digest}/".encode(),
+        for digest, chunk_tokens in ((A, 64), (B, 128)):
+            write_record(store, namespace_prefix("default", digest),
                          {"namespace": "default", "chunk_tokens": chunk_tokens, "model": "m"})
-        store.put(b"maru/default/aaaa/chunk@0", b"kv")
+        store.put(rank_key(namespace_prefix("default", A) + b"chunk", 0), b"kv")
         yield store
 
 
 def test_without_a_vllm_command_line_it_compares_maru_s_own_fields(pool, capsys) -> None:
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert "default/aaaa: 1 objects" in out and "would share" in out
-    assert "default/bbbb: 0 objects" in out
+    assert f"default/{A}: 1 objects" in out and "would share" in out
+    assert f"default/{B}: 0 objects" in out
     assert "would not share: chunk_tokens is 64 here, 128 there" in out
-    assert "=> would share with default/aaaa (1 objects)" in out
+    assert f"=> would share with default/{A} (1 objects)" in out
     assert "needs the vLLM command line, after --): block_size, dtype" in out
 
 
@@ -45,8 +49,8 @@ def test_it_exits_1_when_it_would_share_with_none(pool, monkeypatch, capsys) -> 
     found = json.loads(capsys.readouterr().out)
     assert found["shares_with"] == []
     assert {ns["name"]: ns["differs"] for ns in found["namespaces"]} == {
-        "default/aaaa": {"chunk_tokens": {"here": 256, "there": 64}},
-        "default/bbbb": {"chunk_tokens": {"here": 256, "there": 128}}}
+        f"default/{A}": {"chunk_tokens": {"here": 256, "there": 64}},
+        f"default/{B}": {"chunk_tokens": {"here": 256, "there": 128}}}
 
 
 def test_another_tenant_is_the_field_that_differs(pool, monkeypatch, capsys) -> None:
