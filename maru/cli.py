@@ -19,6 +19,7 @@ from maru.errors import (
     PluginError,
     UnsupportedOperationError,
 )
+from maru.vllm.keys import selection_prefix
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -179,7 +180,7 @@ def cmd_pool(args: argparse.Namespace) -> Result:
     offers the operation (shm and cxl pools offer them all); exit 2 where it does not."""
     if args.namespace is not None and args.action != "clear":
         raise ConfigError(f"--namespace = {args.namespace!r}: only 'maru pool clear' takes it")
-    prefix = namespace_prefix(args.namespace) if args.namespace is not None else None
+    prefix = selection_prefix(args.namespace) if args.namespace is not None else None
     with _open_pool(args.config, args.action) as store:
         try:
             return _pool_action(store, args, prefix)
@@ -226,7 +227,7 @@ def _populated(store: Any) -> dict[str, Any]:
 
 def _namespaces_result(store: Any) -> Result:
     """The namespaces in the pool: objects, last activity, and what their keys are made of."""
-    from maru.namespaces import last_active, namespaces
+    from maru.vllm.records import last_active, namespaces
 
     found = namespaces(store)
     lines = []
@@ -240,16 +241,6 @@ def _namespaces_result(store: Any) -> Result:
             lines.append("    (no record: written by an instance that keeps none)")
     data = [{"name": ns.name, "objects": ns.objects, "record": ns.record} for ns in found]
     return Result(data, "\n".join(lines) or "no namespaces in the pool")
-
-
-def namespace_prefix(namespace: str) -> bytes:
-    """The key prefix of a namespace as `maru pool namespaces` and the connector name it:
-    a tenant (`namespace` in the config) or one instance's `tenant/digest`."""
-    parts = namespace.split("/")
-    if not all(parts) or len(parts) > 2:
-        raise ConfigError(f"--namespace = {namespace!r}: allowed: a config namespace such as "
-                          "'default', or 'NAMESPACE/DIGEST' for one model's keys in it")
-    return f"maru/{namespace}/".encode()
 
 
 RATES = ("hits", "misses", "evictions")
