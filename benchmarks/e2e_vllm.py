@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 import maru
-from maru.demo import connector_config, model_cache
-from maru.engine import build_tiny_llama, run_engine
+from maru.cli._engine import build_tiny_llama, run_engine
+from maru.cli.demo import connector_config, model_cache
+from maru.cli.plots import e2e_plot, png_destination, require_matplotlib
 from maru.errors import MaruError
-from maru.plots import e2e_plot, png_destination, require_matplotlib
 
 MODEL = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 8, "head_dim": 64,
          "intermediate": 2816, "vocab": 8192}

@@ -28,8 +28,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         )
 
 
-ENGINE_MODULE = "maru.engine"
-"""Where the function an engine process runs lives (`maru.engine.run_engine`)."""
+ENGINE_MODULE = "maru.cli._engine"
+"""Where the function an engine process runs lives (`maru.cli._engine.run_engine`)."""
 
 
 @pytest.hookimpl(wrapper=True)
@@ -86,7 +86,7 @@ def unique_name(prefix: str = "t") -> str:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     """A random-weight Llama small enough for vLLM's CPU backend, built locally."""
-    from maru.engine import build_tiny_llama
+    from maru.cli._engine import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from maru.bench import run_bench
 from maru.cli import main
+from maru.cli.bench import run_bench
 from tests.redis_server import free_port
 
 

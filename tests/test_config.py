@@ -298,7 +298,7 @@ def test_every_config_round_trips_through_its_dump(backend: str) -> None:
 
 
 def test_secrets_reach_another_process_intact_and_are_masked_when_shown() -> None:
-    from maru.demo import connector_config
+    from maru.cli.demo import connector_config
 
     config = maru.load_config(env={}, redis=ROUND_TRIP_SECTIONS["redis"])
     extra = connector_config(config)["kv_connector_extra_config"]

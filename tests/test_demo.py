@@ -8,7 +8,7 @@ import mmap
 import numpy as np
 import pytest
 
-import maru.demo
+import maru.cli.demo
 from maru.backends.shm import SHM_DIR, shm_path
 from maru.cli import main
 from maru.vllm.keys import HEADER_BYTES, HEADER_MAGIC
@@ -56,9 +56,9 @@ def test_the_demo_says_false_and_fails_when_a_stored_chunk_is_corrupted(
     pool_config, tiny_model, monkeypatch, capsys
 ) -> None:
     config, pool = pool_config
-    corrupting = functools.partial(maru.demo.run_demo, model=tiny_model, vocab=512,
+    corrupting = functools.partial(maru.cli.demo.run_demo, model=tiny_model, vocab=512,
                                    after_engine_a=lambda: corrupt_one_chunk(pool))
-    monkeypatch.setattr(maru.demo, "run_demo", corrupting)
+    monkeypatch.setattr(maru.cli.demo, "run_demo", corrupting)
     code = main(["demo", "--config", config, "--prompt-tokens", "513"])
     out, _ = capsys.readouterr()
     assert "tokens engine B loaded from maru: 512" in out, "the corrupted chunk was loaded"

@@ -15,7 +15,7 @@ import pytest
 
 import maru
 from maru.backends.shm import shm_path
-from maru.engine import build_tiny_llama, run_engine, start_engine
+from maru.cli._engine import build_tiny_llama, run_engine, start_engine
 from maru.vllm.keys import parse_key
 from tests.conftest import unique_name
 

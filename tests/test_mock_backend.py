@@ -104,7 +104,7 @@ def test_a_backend_that_declares_nothing_claims_no_host_memory_and_no_private_st
 
     assert (Backend.medium, Backend.zero_copy, Backend.removal_log, Backend.lists_keys,
             Backend.wraps) == ("remote", False, False, False, False)
-    assert Backend.bench_options("tag", True) is None
+    assert Backend.private_options("tag", True) is None
 
 
 @pytest.mark.parametrize("operation", ["destroy", "clear", "info", "populate"])

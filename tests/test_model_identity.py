@@ -7,7 +7,7 @@ import shutil
 
 import huggingface_hub
 
-from maru.engine import build_tiny_llama
+from maru.cli._engine import build_tiny_llama
 from maru.vllm.identity import model_identity
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import maru.bench
-from maru.bench import run_bench
+import maru.cli.bench
 from maru.cli import main
-from maru.plots import PlottingUnavailableError, bench_plot, e2e_plot
+from maru.cli.bench import run_bench
+from maru.cli.plots import PlottingUnavailableError, bench_plot, e2e_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL_SIZES = (64 * 1024, 256 * 1024)
@@ -77,7 +77,7 @@ def test_plots_without_matplotlib_say_how_to_install_it(mock_report, tmp_path, m
 
 
 def test_maru_bench_plot_writes_the_figure(capsys, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(maru.bench, "run_bench", functools.partial(run_bench, sizes=SMALL_SIZES))
+    monkeypatch.setattr(maru.cli.bench, "run_bench", functools.partial(run_bench, sizes=SMALL_SIZES))
     path = tmp_path / "bench.png"
     code = main(["bench", "--backend", "mock", "--plot", str(path)])
     out, _ = capsys.readouterr()
@@ -93,7 +93,7 @@ def test_maru_bench_plot_writes_the_figure(capsys, tmp_path, monkeypatch) -> Non
 def test_maru_bench_plot_refuses_a_bad_path_before_measuring(
     capsys, tmp_path, monkeypatch, name, expected
 ) -> None:
-    monkeypatch.setattr(maru.bench, "run_bench", lambda *args, **kwargs: pytest.fail("measured"))
+    monkeypatch.setattr(maru.cli.bench, "run_bench", lambda *args, **kwargs: pytest.fail("measured"))
     path = tmp_path / name
     code = main(["bench", "--plot", str(path)])
     _, err = capsys.readouterr()
@@ -105,7 +105,7 @@ def test_maru_bench_plot_refuses_a_bad_path_before_measuring(
 
 def test_maru_bench_without_matplotlib_exits_before_measuring(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setattr(maru.bench, "run_bench", lambda *args, **kwargs: pytest.fail("measured"))
+    monkeypatch.setattr(maru.cli.bench, "run_bench", lambda *args, **kwargs: pytest.fail("measured"))
     code = main(["bench", "--plot", str(tmp_path / "bench.png")])
     _, err = capsys.readouterr()
     assert code == 1

@@ -10,8 +10,8 @@ import pytest
 
 import maru
 from maru.backends.shm import shm_path
-from maru.bench import format_report, run_bench
 from maru.cli import main
+from maru.cli.bench import format_report, run_bench
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

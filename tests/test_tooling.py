@@ -130,7 +130,7 @@ def test_make_check_leaves_out_only_slow_tests_and_make_test_runs_all() -> None:
 
 
 def test_a_test_not_marked_slow_cannot_start_a_vllm_engine(tmp_path) -> None:
-    from maru.engine import run_engine
+    from maru.cli._engine import run_engine
 
     with pytest.raises(pytest.fail.Exception, match=r"mark it @pytest\.mark\.slow"):
         run_engine(tmp_path, [[1, 2, 3]], timeout_s=60)

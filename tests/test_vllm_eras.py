@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from maru.engine import run_engine, run_engine_in
+from maru.cli._engine import run_engine, run_engine_in
 from tests.test_e2e_vllm import HASH_SEED, PROMPTS_A, PROMPTS_B, SHARED, maru_config
 
 pytestmark = pytest.mark.slow

@@ -37,8 +37,8 @@ backend instead of knowing backend names:
   from its steady state.
 
 Optional operations, for tools (`maru pool`, `maru bench`): `open_existing`,
-`destroy`, `clear`, `info`, `populate`, `bench_options` and `label`. Their
-defaults either do the plain thing (`open_existing` just opens, `bench_options`
+`destroy`, `clear`, `info`, `populate`, `private_options` and `label`. Their
+defaults either do the plain thing (`open_existing` just opens, `private_options`
 says "no private store", `label` names the backend) or raise
 `UnsupportedOperationError` naming the backend and the operation.
 
@@ -210,9 +210,10 @@ class Backend(ABC):
         return cls(config)
 
     @classmethod
-    def bench_options(cls, tag: str, prefault: bool) -> dict[str, Any] | None:
+    def private_options(cls, tag: str, prefault: bool) -> dict[str, Any] | None:
         """The options section of a private, throwaway store named by `tag`, populated
-        when opened if `prefault`, so that `maru bench` never touches a serving store.
+        when opened if `prefault`, so that `maru bench` and `maru demo` never touch a
+        serving store.
         The default, None: there is no private store, and the benchmark measures the
         configured one under a namespace of its own and deletes what it wrote."""
         return None

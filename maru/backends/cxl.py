@@ -199,7 +199,7 @@ class CxlBackend(PoolBackend):
             )
 
     @classmethod
-    def bench_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
+    def private_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
         """An emulated device of its own in /dev/shm, named by `tag` (the devdax code
         path, over memory the benchmark may throw away)."""
         return {"mode": "emulated", "device": f"/dev/shm/maru-{tag}-cxl", "prefault": prefault}

@@ -115,7 +115,7 @@ class MockBackend(Backend):
         self._pool = pool
 
     @classmethod
-    def bench_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
+    def private_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
         """A store of its own, named `tag` (gone when closed)."""
         return {"name": tag}
 

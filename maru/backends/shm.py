@@ -99,7 +99,7 @@ class ShmBackend(PoolBackend):
         return f"POSIX shared memory {shm_path(options.name)}"
 
     @classmethod
-    def bench_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
+    def private_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
         """A pool of its own, named `tag`."""
         return {"name": tag, "prefault": prefault}
 

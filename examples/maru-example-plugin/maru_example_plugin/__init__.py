@@ -41,7 +41,7 @@ class DirStore(Backend):
     medium = "disk"
     """Its bytes live in files on this machine. It keeps no removal log and cannot list
     its keys (`removal_log` and `lists_keys` keep their default, False), and it has no
-    private store for `maru bench` (`bench_options` keeps its default)."""
+    private store for `maru bench` (`private_options` keeps its default)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -5,7 +5,7 @@ memcpy of the same bytes, measured in the same run, and latencies are medians.
 Every copy, the baseline's and the store's, reads from and writes to buffers that
 rotate through pre-touched memory larger than the CPU caches, as KV chunks do:
 never the same cache-hot bytes twice. A backend that declares a private store
-(`Backend.bench_options`) is measured on one of its own; any other on the
+(`Backend.private_options`) is measured on one of its own; any other on the
 configured store, under a namespace of its own, deleting what it wrote. A private
 store that `wraps` is measured in steady state (after it has wrapped, so every put
 evicts) and, for 4 MiB puts, on a fresh store's first pass, as a new serving node
@@ -14,6 +14,7 @@ sees it.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import statistics
@@ -24,10 +25,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import TypeAdapter, ValidationError
 
 import maru
+from maru.backends.registry import backend_class
+from maru.cli.command import Result, add_config_option
+from maru.cli.plots import bench_plot, png_destination, require_matplotlib
+from maru.config import resolve_config
 from maru.errors import UnsupportedOperationError
-from maru.plugins import get_plugin_manager
+from maru.sizes import Size
 
 KIB, MIB = 2**10, 2**20
 DEFAULT_SIZES = (64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 32 * MIB)
@@ -61,27 +67,22 @@ def bench_config(
 ) -> maru.MaruConfig:
     """The benchmark's configuration, so that it never touches a serving store.
 
-    A backend with a private store (`bench_options`) gets one of its own, populated
+    A backend with a private store (`private_options`) gets one of its own, populated
     before it is measured, or with `fresh`, opened as serving opens it. Any other is
     the store the user's configuration names (e.g. the server's URL), under a
     namespace of the benchmark's own.
     """
     tag = f"bench-{os.getpid()}" + ("-fresh" if fresh else "")
-    options = backend_class(backend).bench_options(tag, not fresh)
+    options = backend_class(backend).private_options(tag, not fresh)
     sections = {} if options is None else {backend: options}
     return maru.load_config(
         config_file, backend=backend, capacity=capacity, namespace=tag, **sections
     )
 
 
-def backend_class(name: str) -> type[maru.Backend]:
-    """The installed backend called `name`, or a ConfigError listing the installed ones."""
-    return get_plugin_manager().backend(name)
-
-
 def has_private_store(backend: str) -> bool:
     """Does the backend give the benchmark a throwaway store of its own?"""
-    return backend_class(backend).bench_options("bench", True) is not None
+    return backend_class(backend).private_options("bench", True) is not None
 
 
 def arena_bytes() -> int:
@@ -325,3 +326,55 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _size_label(size: int) -> str:
     return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
+
+
+# --- the command -----------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> Result:
+    """Throughput and latency of installed backends (the configured one by default), as
+    ratios to memcpy; with --plot, also a PNG."""
+    plot = None if args.plot is None else png_destination(args.plot)
+    if plot is not None:  # checked before minutes of measuring, not after
+        require_matplotlib()
+    backends = args.backend or [resolve_config(args.config).config.backend]
+    for name in backends:  # an unknown name fails before minutes of measuring
+        backend_class(name)
+    measure: dict[str, Any] = {"config_file": args.config}
+    if args.size:
+        measure["sizes"] = tuple(args.size)
+    if args.capacity:
+        measure["capacity"] = args.capacity
+    reports = [run_bench(backend, **measure) for backend in backends]
+    text = "\n\n".join(format_report(report) for report in reports)
+    if plot is not None:
+        bench_plot(reports, plot)
+        text += f"\n\nplot written to {plot}"
+    return Result(reports, text)
+
+
+def parse_bench_size(text: str) -> int:
+    """A `maru bench --size/--capacity` value: a size greater than zero, e.g. 64KiB."""
+    try:
+        return TypeAdapter(Size).validate_python(text)
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc.errors()[0]['msg']}") from None
+
+
+def register(commands: Any, common: argparse.ArgumentParser) -> None:
+    """`maru bench`."""
+    bench = commands.add_parser("bench", parents=[common], help="benchmark backends")
+    bench.add_argument("--backend", action="append", metavar="NAME",
+                       help="installed backend to measure (repeatable; default: the "
+                       "configured one); `maru info` lists them")
+    bench.add_argument("--size", action="append", type=parse_bench_size, metavar="SIZE",
+                       help="object size to measure, e.g. 64KiB (repeatable; default "
+                       "64 KiB to 32 MiB)")
+    bench.add_argument("--capacity", type=parse_bench_size, metavar="SIZE",
+                       help="bytes of each store measured (default 1 GiB)")
+    add_config_option(bench, "config file (else MARU_CONFIG); a backend without a private "
+                      "store (e.g. a server) is measured where it names")
+    bench.add_argument("--plot", metavar="FILE.png",
+                       help="also draw throughput by object size against memcpy as a PNG "
+                       "(needs matplotlib: pip install 'maru[plot]')")
+    bench.set_defaults(run=cmd_bench)

@@ -12,7 +12,9 @@ a bf16 model may differ in low bits from other batch shapes: not a maru fault.)
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,9 @@ from typing import Any
 import numpy as np
 
 import maru
+from maru.backends.registry import backend_class
+from maru.cli.command import EXIT_FAILURE, EXIT_OK, Result, add_config_option
+from maru.config import resolve_config
 from maru.errors import ConfigError
 
 DEMO_MODEL = {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4, "head_dim": 64,
@@ -38,11 +43,12 @@ DEMO_POOL_CAPACITY = 256 * 2**20
 
 
 def private_pool(config: maru.MaruConfig) -> maru.MaruConfig:
-    """The default configuration with a shm pool of the demo's own, small: the demo
-    then leaves no pool behind (a default pool keeps 4 GiB of memory until destroyed)."""
-    shm = config.backend_options("shm").model_copy(update={"name": f"demo-{os.getpid()}"})
+    """The default configuration with a small store of the demo's own (`private_options`
+    of the default backend): the demo then leaves no pool behind (a default pool keeps
+    4 GiB of memory until destroyed)."""
+    options = backend_class(config.backend).private_options(f"demo-{os.getpid()}", False)
     return maru.MaruConfig.model_validate(
-        {**config.model_dump(), "capacity": DEMO_POOL_CAPACITY, "shm": shm.model_dump()}
+        {**config.model_dump(), "capacity": DEMO_POOL_CAPACITY, config.backend: options}
     )
 
 
@@ -72,7 +78,7 @@ def run_demo(config: maru.MaruConfig, *, model: Path | None = None, prompt_token
     """Engine A (cold, then its own cache) and engine B (maru) on one random prompt.
 
     `after_engine_a` runs between the two engines (tests corrupt the store there)."""
-    from maru.engine import build_tiny_llama, start_engine
+    from maru.cli._engine import build_tiny_llama, start_engine
 
     length = demo_prompt_tokens(prompt_tokens, config.chunk_tokens)
     if model is None:
@@ -129,3 +135,28 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report['identical']}",
         "pool: " + ", ".join(f"{k}={v}" for k, v in report["stats"].items()),
     ])
+
+
+def cmd_demo(args: argparse.Namespace) -> Result:
+    """Two vLLM engines in two processes share a long prompt's KV through maru."""
+    resolved = resolve_config(args.config)
+    configured = bool(resolved.sources)
+    config = resolved.config if configured else private_pool(resolved.config)
+    try:
+        report = run_demo(config, prompt_tokens=args.prompt_tokens,
+                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+    finally:
+        if not configured:
+            with maru.open_store(config) as store:
+                store.destroy()
+    return Result(report, format_report(report), EXIT_OK if report["identical"] else EXIT_FAILURE)
+
+
+def register(commands: Any, common: argparse.ArgumentParser) -> None:
+    """`maru demo`."""
+    demo = commands.add_parser("demo", parents=[common], help="share a prompt prefix's KV")
+    add_config_option(demo)
+    demo.add_argument("--prompt-tokens", type=int, default=2049, metavar="N",
+                      help="length of the shared prompt, rounded down to whole chunks plus "
+                      "one token (default 2049)")
+    demo.set_defaults(run=cmd_demo)

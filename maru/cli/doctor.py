@@ -11,9 +11,11 @@ once an engine has allocated its KV cache, so it is shown, not compared.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from maru.cli.command import EXIT_FAILURE, EXIT_OK, Result, add_config_option, open_existing
 from maru.config import MaruConfig, load_config
 from maru.vllm.records import Namespace, differing_fields, last_active, namespaces
 
@@ -135,3 +137,27 @@ def _verdict(diagnosis: Diagnosis) -> str:
     if not diagnosis.peers:
         return "=> the store holds no namespace records yet: nothing to share with"
     return f"=> would share with none of the {len(diagnosis.peers)} namespaces in the store"
+
+
+def cmd_doctor(args: argparse.Namespace) -> Result:
+    """Would an instance with this config (and vLLM command line) share what the store
+    holds? Exit 1 if the store holds namespaces and it would share with none."""
+    command = args.vllm_command[1:] if args.vllm_command[:1] == ["--"] else args.vllm_command
+    expectation = expect(args.config, command)
+    with open_existing(expectation.config) as store:
+        diagnosis = diagnose(store, expectation)
+    shares = bool(diagnosis.shares_with) or not diagnosis.peers
+    return Result(report(diagnosis), format_diagnosis(diagnosis),
+                  EXIT_OK if shares else EXIT_FAILURE)
+
+
+def register(commands: Any, common: argparse.ArgumentParser) -> None:
+    """`maru doctor [--config F] [-- vllm serve MODEL ...]`."""
+    doctor = commands.add_parser(
+        "doctor", parents=[common], help="would an instance share what the store holds?",
+        description="Compare the namespace an instance would use with those in the store "
+        "and say which field keeps them apart. Give the instance's vLLM command line "
+        "after -- to compare everything but the layout (else only maru's own fields).")
+    add_config_option(doctor)
+    doctor.add_argument("vllm_command", nargs=argparse.REMAINDER, metavar="-- vllm serve ...")
+    doctor.set_defaults(run=cmd_doctor)

@@ -181,15 +181,15 @@ def run_engine(model_dir: str | os.PathLike[str], prompts: list[list[int]],
 def run_engine_in(python: str | os.PathLike[str], model_dir: str | os.PathLike[str],
                   prompts: list[list[int]], **options: Any) -> EngineRun:
     """`run_engine` under another interpreter, e.g. a virtual environment with another vLLM
-    release (`tools/vllm_era.py`): it runs `python -m maru.engine JOB RESULT`."""
+    release (`tools/vllm_era.py`): it runs `python -m maru.cli._engine JOB RESULT`."""
     with tempfile.TemporaryDirectory(prefix="maru-engine-") as folder:
         job, result = Path(folder) / "job.json", Path(folder) / "result.json"
         job.write_text(json.dumps({"model_dir": str(model_dir), "prompts": prompts,
                                    "options": options}))
-        finished = subprocess.run([str(python), "-m", "maru.engine", str(job), str(result)],
+        finished = subprocess.run([str(python), "-m", "maru.cli._engine", str(job), str(result)],
                                   capture_output=True, text=True, check=False)
         if finished.returncode != 0 or not result.exists():
-            raise EngineRunError(f"{python} -m maru.engine failed "
+            raise EngineRunError(f"{python} -m maru.cli._engine failed "
                                  f"(exit {finished.returncode}):\n{finished.stderr[-6000:]}")
         return EngineRun(**json.loads(result.read_text()))
 
@@ -552,9 +552,11 @@ def _prefix_metrics(llm: Any) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m maru.engine JOB RESULT`: run the JSON job (model_dir, prompts, options of
+    """`python -m maru.cli._engine JOB RESULT`: run the JSON job (model_dir, prompts, options of
     `run_engine`) and write the `EngineRun` as JSON (see `run_engine_in`)."""
-    from maru import engine  # the importable module, not __main__: spawn pickles by name
+    from maru.cli import (
+        _engine as engine,  # the importable module, not __main__: spawn pickles by name
+    )
 
     job_path, result_path = argv if argv is not None else sys.argv[1:]
     job = json.loads(Path(job_path).read_text())

@@ -1,0 +1,63 @@
+"""The `maru` command line: info, config, pool, doctor, bench, demo.
+
+Each command is a module of this package that registers its own arguments
+(`register`) and returns a `Result`. Every command takes --json; configuration and
+usage errors exit 2 with one paragraph saying what is wrong, never a traceback. No
+command imports torch or vLLM unless it runs an engine (`demo`) or is given a vLLM
+command line (`doctor -- vllm serve ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from maru.cli import bench, demo, doctor, info, pool
+from maru.cli.command import EXIT_FAILURE, EXIT_USAGE
+from maru.errors import BackendError, ConfigError, MaruError, PluginError
+
+COMMANDS = (info, pool, doctor, bench, demo)
+"""The command modules, in the order `maru --help` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every maru command."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser = argparse.ArgumentParser(prog="maru", description="Maru: a KV-cache store for vLLM")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.register(commands, common)
+    return parser
+
+
+def _failure(args: argparse.Namespace, exc: BaseException, exit_code: int) -> int:
+    message = str(exc) if isinstance(exc, MaruError) else f"{type(exc).__name__}: {exc}"
+    if getattr(args, "json", False):
+        print(json.dumps({"error": {"type": type(exc).__name__, "message": message}}))
+    print(f"maru: error: {message}", file=sys.stderr)
+    return exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one maru command; the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.run(args)
+    except (ConfigError, PluginError) as exc:
+        return _failure(args, exc, EXIT_USAGE)
+    except BackendError as exc:
+        return _failure(args, exc, EXIT_FAILURE)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        return _failure(args, exc, EXIT_FAILURE)
+    if result.data is not None:
+        print(json.dumps(result.data, indent=2) if args.json else result.text)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
