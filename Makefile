@@ -41,8 +41,13 @@ $(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.to
 	$(BIN)/python -c "import maru, maru_example_plugin, vllm"
 	touch $@
 
+# Style (ruff's rules and its formatting) and the layers (pyproject's import contracts).
+LINTED := maru tests examples tools benchmarks
+
 lint: $(STAMP)
-	$(BIN)/ruff check maru tests examples tools
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/lint-imports
 
 # $(call debian_package,CHECK,PACKAGE): install PACKAGE unless CHECK succeeds (as root),
 # or say how to.

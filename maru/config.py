@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import logging
 import os
 import re
 import tomllib
@@ -42,6 +41,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from maru.errors import ConfigError
+from maru.log import get_logger
 from maru.plugins import get_plugin_manager, options_model
 from maru.sizes import Size
 
@@ -59,7 +59,7 @@ Path_ = tuple[str, ...]
 Backends = Mapping[str, type[BaseModel]]
 """The backends a config is validated against: each name and its Options model."""
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class Options(BaseModel):
@@ -258,11 +258,13 @@ def _validated_sections(
         if key in settings:
             continue
         if key not in backends:
-            errors.append(InitErrorDetails(
-                type=PydanticCustomError("extra_forbidden", "Extra inputs are not permitted"),
-                loc=(str(key),),
-                input=value,
-            ))
+            errors.append(
+                InitErrorDetails(
+                    type=PydanticCustomError("extra_forbidden", "Extra inputs are not permitted"),
+                    loc=(str(key),),
+                    input=value,
+                )
+            )
             continue
         try:
             sections[key] = None if value is None else backends[key].model_validate(value)
@@ -339,8 +341,11 @@ def _env_layer(
             continue
         path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING))
         if not _known_path(backends, path):
-            log.warning("ignoring environment variable %s: maru has no such setting "
-                        "(the closest is %s)", name, _closest_env_name(backends, path))
+            log.warning(
+                "ignoring environment variable %s: maru has no such setting (the closest is %s)",
+                name,
+                _closest_env_name(backends, path),
+            )
             continue
         target = values
         for part in path[:-1]:

@@ -39,8 +39,14 @@ __all__ = ["MaruConnectorMetadata", "MaruKVConnector"]
 class MaruKVConnector(KVConnectorBase_V1):
     """vLLM KV connector that shares prompt KV through a maru store."""
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None,
-                 *, transfers: DataPathFactory = DataPath) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        role: KVConnectorRole,
+        kv_cache_config: Any = None,
+        *,
+        transfers: DataPathFactory = DataPath,
+    ) -> None:
         """`transfers` makes the worker's data path (vLLM never passes it; tests do)."""
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
@@ -75,9 +81,13 @@ class MaruKVConnector(KVConnectorBase_V1):
         return False
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict,
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
         """maru's metrics on vLLM's /metrics (`maru.vllm.metrics`)."""
         from maru.vllm.metrics import MaruPromMetrics
 
@@ -90,8 +100,9 @@ class MaruKVConnector(KVConnectorBase_V1):
         return True
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
-                                 ) -> MaruConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> MaruConnectorStats | None:
         return MaruConnectorStats(dict(data or {}))
 
     def get_kv_connector_stats(self) -> MaruConnectorStats | None:
@@ -127,8 +138,9 @@ class MaruKVConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         metadata = self._get_connector_metadata()
         if metadata.saves:
             try:
@@ -154,15 +166,15 @@ class MaruKVConnector(KVConnectorBase_V1):
 
     # scheduler side
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request,
-                                                              num_computed_tokens), False
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0],
-                                                     num_external_tokens)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(
+            request, blocks.get_block_ids()[0], num_external_tokens
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
@@ -172,13 +184,15 @@ class MaruKVConnector(KVConnectorBase_V1):
         if self.scheduler_half is not None:
             self.scheduler_half.saves_settled(set(connector_output.finished_sending or ()))
 
-    def request_finished(self, request: Any, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request), None
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        fingerprints = {m.layout_fingerprint for m in metadata.values()
-                        if isinstance(m, MaruHandshake)}
+        fingerprints = {
+            m.layout_fingerprint for m in metadata.values() if isinstance(m, MaruHandshake)
+        }
         if fingerprints:
             self.scheduler.set_layout(fingerprints)
 

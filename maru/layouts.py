@@ -53,9 +53,7 @@ def _byte_base(tensor: Any) -> Any:
     """A 1-D int8 tensor over the whole storage of `tensor` (no copy)."""
     import torch
 
-    return torch.empty(0, dtype=torch.int8, device=tensor.device).set_(
-        tensor.untyped_storage()
-    )
+    return torch.empty(0, dtype=torch.int8, device=tensor.device).set_(tensor.untyped_storage())
 
 
 @dataclass(frozen=True)
@@ -76,8 +74,9 @@ def segments_of(tensor: Any, block_dim: int) -> LayerCut | None:
 
     shape, strides, item = tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size()
     block_stride = strides[block_dim]
-    others = sorted((d for d in range(len(shape)) if d != block_dim and shape[d] > 1),
-                    key=lambda d: strides[d])
+    others = sorted(
+        (d for d in range(len(shape)) if d != block_dim and shape[d] > 1), key=lambda d: strides[d]
+    )
     run, dense = [], 1
     for dim in others:
         if strides[dim] != dense or strides[dim] >= block_stride:
@@ -90,10 +89,12 @@ def segments_of(tensor: Any, block_dim: int) -> LayerCut | None:
     base = _byte_base(tensor)
     segments = []
     for index in _indices([shape[d] for d in parts]):
-        offset = tensor.storage_offset() + sum(i * strides[d] for i, d in zip(index, parts,
-                                                                              strict=True))
-        view = torch.as_strided(base, (shape[block_dim], dense * item), (block_stride * item, 1),
-                                offset * item)
+        offset = tensor.storage_offset() + sum(
+            i * strides[d] for i, d in zip(index, parts, strict=True)
+        )
+        view = torch.as_strided(
+            base, (shape[block_dim], dense * item), (block_stride * item, 1), offset * item
+        )
         segments.append(Segment(view))
     return LayerCut(segments, block_dim, (tuple(parts), tuple(reversed(run))))
 
@@ -109,8 +110,10 @@ def describe_tensor(tensor: Any) -> str:
     """Shape, strides, dtype and storage offset, for error messages."""
     if not hasattr(tensor, "stride"):
         return type(tensor).__name__
-    return (f"shape {tuple(tensor.shape)} strides {tuple(tensor.stride())} {tensor.dtype} "
-            f"offset {tensor.storage_offset()}")
+    return (
+        f"shape {tuple(tensor.shape)} strides {tuple(tensor.stride())} {tensor.dtype} "
+        f"offset {tensor.storage_offset()}"
+    )
 
 
 class LayoutAdapter:
@@ -138,8 +141,9 @@ class LayoutAdapter:
     def __init__(self, cuts: Mapping[str, LayerCut], fingerprint: str) -> None:
         self.layers = {name: cut.segments for name, cut in cuts.items()}
         self.fingerprint = fingerprint
-        self.layer_block_bytes = {name: sum(s.run_bytes for s in segs)
-                                  for name, segs in self.layers.items()}
+        self.layer_block_bytes = {
+            name: sum(s.run_bytes for s in segs) for name, segs in self.layers.items()
+        }
         self.block_bytes = sum(self.layer_block_bytes.values())
 
     def layer_offsets(self, num_blocks: int) -> dict[str, int]:
@@ -182,14 +186,15 @@ def cpu_page_packing() -> str:
 
     import torch
 
-    units = [name for name, probe in (("amx", "_is_amx_tile_supported"),
-                                      ("avx512", "_is_avx512_supported"))
-             if getattr(torch.cpu, probe, lambda: False)()]
+    units = [
+        name
+        for name, probe in (("amx", "_is_amx_tile_supported"), ("avx512", "_is_avx512_supported"))
+        if getattr(torch.cpu, probe, lambda: False)()
+    ]
     return "+".join([platform.machine(), *units])
 
 
-def fingerprint(adapter_name: str, tensors: Mapping[str, Any],
-                cuts: Mapping[str, LayerCut]) -> str:
+def fingerprint(adapter_name: str, tensors: Mapping[str, Any], cuts: Mapping[str, LayerCut]) -> str:
     """What makes two caches' pages interchangeable: adapter, dtype, shapes, the order
     of the bytes in a page (not where pages sit, nor how many blocks there are), and on
     the CPU how its attention kernels pack them."""
@@ -198,14 +203,21 @@ def fingerprint(adapter_name: str, tensors: Mapping[str, Any],
         described.append(cpu_page_packing())
     for name, tensor in tensors.items():
         shape = [size for dim, size in enumerate(tensor.shape) if dim != cuts[name].block_dim]
-        described.append([str(tensor.dtype), shape, cuts[name].byte_order,
-                          [s.run_bytes for s in cuts[name].segments]])
+        described.append(
+            [
+                str(tensor.dtype),
+                shape,
+                cuts[name].byte_order,
+                [s.run_bytes for s in cuts[name].segments],
+            ]
+        )
     text = json.dumps([adapter_name, len(described), described])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def recognise(kv_caches: Mapping[str, Any], num_blocks: int,
-              adapters: Sequence[type[LayoutAdapter]]) -> LayoutAdapter:
+def recognise(
+    kv_caches: Mapping[str, Any], num_blocks: int, adapters: Sequence[type[LayoutAdapter]]
+) -> LayoutAdapter:
     """The first adapter that recognises every layer, or a LayoutError naming what was seen."""
     tensors = {name: kv_tensor(value) for name, value in kv_caches.items()}
     if not tensors:

@@ -17,6 +17,6 @@ def get_logger(module: str) -> logging.Logger:
     `vllm.maru.backends.tiered`, `maru.vllm.worker` as `vllm.maru.worker`."""
     for package in ("maru.vllm", "maru"):
         if module == package or module.startswith(package + "."):
-            module = module[len(package):]
+            module = module[len(package) :]
             break
     return logging.getLogger(ROOT + module)

@@ -119,10 +119,6 @@ class MaruPluginManager:
         """Layout adapter classes by name, in the order they are asked."""
         return self._collect(self._pm.hook.maru_layout_adapters, "layout adapter")
 
-    def backend(self, name: str) -> type:
-        """The backend class called `name`, or a ConfigError listing what is installed."""
-        return self.provided_backend(name).cls
-
     def provided_backend(self, name: str) -> Provided:
         """The backend called `name` and its plugin, or a ConfigError listing what is installed."""
         try:

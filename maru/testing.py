@@ -348,8 +348,11 @@ class EvictionContract:
         if not store.removal_log:
             assert seen.digests is None
             return
-        gone = [f"k{i}".encode() for i, present in
-                enumerate(store.contains([f"k{i}" for i in range(6)])) if not present]
+        gone = [
+            f"k{i}".encode()
+            for i, present in enumerate(store.contains([f"k{i}" for i in range(6)]))
+            if not present
+        ]
         assert gone and sorted(seen.digests) == sorted(map(key_digest, gone))
 
     def test_threads_under_eviction_pressure_see_whole_objects(self, store: Backend) -> None:

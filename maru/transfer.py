@@ -129,8 +129,11 @@ def host_tensor(buffer: memoryview) -> torch.Tensor:
     the data path never writes into what it loads from)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(buffer, dtype=torch.int8) if len(buffer) else \
-            torch.empty(0, dtype=torch.int8)
+        return (
+            torch.frombuffer(buffer, dtype=torch.int8)
+            if len(buffer)
+            else torch.empty(0, dtype=torch.int8)
+        )
 
 
 def pin(memory: memoryview) -> bool:
@@ -177,8 +180,12 @@ def widest(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """2-D int8 tensors viewed as the widest integer type all of them allow (fewer,
     wider elements for indexed copies); the same bytes either way."""
     for dtype, size in WIDTHS:
-        if all(t.shape[-1] % size == 0 and t.data_ptr() % size == 0
-               and all(s % size == 0 for s in t.stride()[:-1]) for t in tensors):
+        if all(
+            t.shape[-1] % size == 0
+            and t.data_ptr() % size == 0
+            and all(s % size == 0 for s in t.stride()[:-1])
+            for t in tensors
+        ):
             return [t.view(dtype) for t in tensors]
     return list(tensors)
 
@@ -224,8 +231,9 @@ class DataPath:
     def _layer_rows(self, name: str, chunk: ChunkCopy) -> torch.Tensor:
         """The payload's part for one layer."""
         start = chunk.stored_blocks * self._bytes_before[name]
-        return chunk.payload[start:start + chunk.stored_blocks *
-                             self.adapter.layer_block_bytes[name]]
+        return chunk.payload[
+            start : start + chunk.stored_blocks * self.adapter.layer_block_bytes[name]
+        ]
 
     # loads
 
@@ -240,8 +248,11 @@ class DataPath:
                     try:
                         self.queue.run(lambda n=name, c=chunk: self._load_layer(n, c))
                     except Exception as exc:
-                        log.error("maru: copying a chunk into the KV cache failed: %s: %s",
-                                  type(exc).__name__, exc)
+                        log.error(
+                            "maru: copying a chunk into the KV cache failed: %s: %s",
+                            type(exc).__name__,
+                            exc,
+                        )
                         failed.add(index)
             self._layer_loaded[name] = self.queue.mark()
         return failed
@@ -265,14 +276,14 @@ class DataPath:
         position = 0
         for segment in self.adapter.layers[name]:
             run = segment.run_bytes
-            stored = rows[position:position + chunk.stored_blocks * run].view(-1, run)
+            stored = rows[position : position + chunk.stored_blocks * run].view(-1, run)
             position += chunk.stored_blocks * run
             if self.on_device:
-                target, source = widest(segment.view, stored[first:first + count])
+                target, source = widest(segment.view, stored[first : first + count])
                 target.index_copy_(0, chunk.blocks.on(self.device), source)
                 continue
             for block, at, length in chunk.blocks.runs:
-                segment.view[block:block + length].copy_(stored[first + at:first + at + length])
+                segment.view[block : block + length].copy_(stored[first + at : first + at + length])
 
     # saves
 
@@ -292,7 +303,7 @@ class DataPath:
         gathered = torch.empty_like(rows, device=self.device) if self.on_device else rows
         count, position = len(chunk.blocks.ids), 0
         for segment in self.adapter.layers[name]:
-            out = gathered[position:position + count * segment.run_bytes].view(count, -1)
+            out = gathered[position : position + count * segment.run_bytes].view(count, -1)
             position += out.numel()
             self._gather(segment.view, chunk.blocks, out)
         if self.on_device:
@@ -303,7 +314,7 @@ class DataPath:
         the CPU, else one indexed copy."""
         if not self.on_device and len(blocks.runs) == 1:
             start = blocks.ids[0]
-            out.copy_(pages[start:start + len(blocks.ids)])
+            out.copy_(pages[start : start + len(blocks.ids)])
             return
         source, target = widest(pages, out)
         torch.index_select(source, 0, blocks.on(self.device), out=target)

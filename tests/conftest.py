@@ -49,8 +49,11 @@ def _refusing_engines(start: Callable[[SpawnProcess], None]) -> Callable[[SpawnP
     def start_unless_engine(process: SpawnProcess) -> None:
         target = getattr(process, "_target", None)
         if getattr(target, "__module__", None) == ENGINE_MODULE:
-            pytest.fail("this test starts a vLLM engine process: mark it @pytest.mark.slow "
-                        "(`make check` leaves slow tests out)", pytrace=False)
+            pytest.fail(
+                "this test starts a vLLM engine process: mark it @pytest.mark.slow "
+                "(`make check` leaves slow tests out)",
+                pytrace=False,
+            )
         start(process)
 
     return start_unless_engine
@@ -96,8 +99,9 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
     """A real redis-server on a free loopback port, evicting as the README recommends."""
     from tests.redis_server import RedisServer
 
-    server = RedisServer(tmp_path_factory.mktemp("redis"), "--maxmemory", "64mb",
-                         "--maxmemory-policy", "allkeys-lru").start()
+    server = RedisServer(
+        tmp_path_factory.mktemp("redis"), "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"
+    ).start()
     yield server
     server.stop()
 
@@ -151,6 +155,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            pytest.fail("needs an NVIDIA GPU with CUDA, and this machine has none: run it on "
-                        "one (`.venv/bin/python -m pytest -m cuda`), or leave it out with "
-                        "-m 'not cuda' as `make check` and `make test` do here")
+            pytest.fail(
+                "needs an NVIDIA GPU with CUDA, and this machine has none: run it on "
+                "one (`.venv/bin/python -m pytest -m cuda`), or leave it out with "
+                "-m 'not cuda' as `make check` and `make test` do here"
+            )

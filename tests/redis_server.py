@@ -11,8 +11,10 @@ import subprocess
 import time
 from pathlib import Path
 
-INSTALL_HINT = ("redis-server is missing: `make test` installs it (apt-get install -y "
-                "redis-server); run that, or `apt-get install -y redis-server`")
+INSTALL_HINT = (
+    "redis-server is missing: `make test` installs it (apt-get install -y "
+    "redis-server); run that, or `apt-get install -y redis-server`"
+)
 
 
 CLUSTER_BUS_OFFSET = 10000
@@ -63,9 +65,23 @@ class RedisServer:
     def start(self) -> RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
-            [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory), *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                redis_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+                *self.extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.wait_ready()
         return self
 
@@ -92,10 +108,19 @@ class RedisCluster:
     """Three redis-server nodes joined into a Redis Cluster (no replicas)."""
 
     def __init__(self, directory: Path) -> None:
-        self.nodes = [RedisServer(directory / f"node{i}", "--cluster-enabled", "yes",
-                                  "--cluster-config-file", "nodes.conf",
-                                  "--cluster-node-timeout", "2000",
-                                  port=free_port(cluster_bus=True)) for i in range(3)]
+        self.nodes = [
+            RedisServer(
+                directory / f"node{i}",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+                port=free_port(cluster_bus=True),
+            )
+            for i in range(3)
+        ]
 
     @property
     def url(self) -> str:
@@ -105,9 +130,19 @@ class RedisCluster:
         for node in self.nodes:
             node.start()
         subprocess.run(
-            [redis_binary("redis-cli"), "--cluster", "create",
-             *(f"127.0.0.1:{node.port}" for node in self.nodes), "--cluster-replicas", "0",
-             "--cluster-yes"], check=True, capture_output=True, timeout=60)
+            [
+                redis_binary("redis-cli"),
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if all(self._ready(node) for node in self.nodes):
@@ -117,8 +152,11 @@ class RedisCluster:
 
     def _ready(self, node: RedisServer) -> bool:
         """Whether `node` serves: each node learns the cluster's state by gossip, on its own."""
-        info = subprocess.run([redis_binary("redis-cli"), "-p", str(node.port), "cluster",
-                               "info"], capture_output=True, text=True).stdout
+        info = subprocess.run(
+            [redis_binary("redis-cli"), "-p", str(node.port), "cluster", "info"],
+            capture_output=True,
+            text=True,
+        ).stdout
         return "cluster_state:ok" in info and f"cluster_known_nodes:{len(self.nodes)}" in info
 
     def stop(self) -> None:

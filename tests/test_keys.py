@@ -15,8 +15,12 @@ PREFIX = keys.namespace_prefix("tenant-a", DIGEST)
 def test_a_rank_key_parses_back_into_namespace_hash_and_rank(block_hash) -> None:
     key = keys.rank_key(keys.chunk_key(PREFIX, block_hash), 3)
     parsed = keys.parse_key(key)
-    assert (parsed.tenant, parsed.digest, parsed.block_hash, parsed.rank) == \
-        ("tenant-a", DIGEST, block_hash, 3)
+    assert (parsed.tenant, parsed.digest, parsed.block_hash, parsed.rank) == (
+        "tenant-a",
+        DIGEST,
+        block_hash,
+        3,
+    )
     assert parsed.namespace == f"tenant-a/{DIGEST}" and parsed.prefix == PREFIX
     assert not parsed.is_record
 
@@ -27,8 +31,10 @@ def test_the_record_key_parses_as_the_namespace_record() -> None:
     assert parsed.block_hash is None and parsed.rank is None
 
 
-@pytest.mark.parametrize("key", [b"other/key", b"maru/", b"maru/t/short/x@0",
-                                 PREFIX + b"no-rank", PREFIX + b"hash@x", PREFIX])
+@pytest.mark.parametrize(
+    "key",
+    [b"other/key", b"maru/", b"maru/t/short/x@0", PREFIX + b"no-rank", PREFIX + b"hash@x", PREFIX],
+)
 def test_keys_of_another_schema_are_not_taken_apart(key) -> None:
     assert keys.parse_key(key) is None
 
@@ -43,8 +49,11 @@ def test_the_digest_covers_every_field_and_ignores_their_order() -> None:
 def test_the_header_ties_an_object_to_its_key_layout_and_size() -> None:
     header = keys.object_header(b"k", "layout", 100)
     assert len(header) == keys.HEADER_BYTES and header.startswith(keys.HEADER_MAGIC)
-    others = (keys.object_header(b"j", "layout", 100), keys.object_header(b"k", "other", 100),
-              keys.object_header(b"k", "layout", 101))
+    others = (
+        keys.object_header(b"j", "layout", 100),
+        keys.object_header(b"k", "other", 100),
+        keys.object_header(b"k", "layout", 101),
+    )
     assert all(other != header for other in others)
 
 

@@ -29,7 +29,8 @@ def filled(tensor: torch.Tensor, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     raw = torch.randint(-128, 127, tensor.shape, dtype=torch.int8, generator=generator)
     tensor.view(torch.int8).copy_(raw) if tensor.element_size() == 1 else tensor.copy_(
-        raw.to(torch.float32).to(tensor.dtype))
+        raw.to(torch.float32).to(tensor.dtype)
+    )
     return tensor
 
 
@@ -60,8 +61,11 @@ ROWS = {
 def block_bytes(tensor: torch.Tensor, block: int, dim: int) -> bytes:
     """The bytes of one block, read independently of the adapters."""
     page = tensor.select(dim, block).contiguous()
-    return page.view(torch.uint8).numpy().tobytes() if page.element_size() == 1 else \
-        page.view(torch.int16 if page.element_size() == 2 else torch.int32).numpy().tobytes()
+    return (
+        page.view(torch.uint8).numpy().tobytes()
+        if page.element_size() == 1
+        else page.view(torch.int16 if page.element_size() == 2 else torch.int32).numpy().tobytes()
+    )
 
 
 def block_dim_of(tensor: torch.Tensor) -> int:
@@ -82,8 +86,10 @@ def round_trip(source: dict[str, torch.Tensor], target: dict[str, torch.Tensor])
     writer = recognise(target, NB, BUILTINS)
     assert reader.fingerprint == writer.fingerprint
     ids_from, ids_to = [1, 4, 7], [9, 2, 5]
-    before = {name: {b: block_bytes(t, b, block_dim_of(t)) for b in range(NB)}
-              for name, t in target.items()}
+    before = {
+        name: {b: block_bytes(t, b, block_dim_of(t)) for b in range(NB)}
+        for name, t in target.items()
+    }
     stored = torch.empty(reader.block_bytes * 3, dtype=torch.int8)
     save(reader, ids_from, stored)
     DataPath(writer).load([ChunkCopy(Blocks(ids_to), stored, 3)])
@@ -127,11 +133,14 @@ def shared_buffer_allocation(layout, dtype: torch.dtype) -> dict[str, torch.Tens
     page = spec.page_size_bytes
     fixed_block = page * LAYERS if layout.is_block_outermost else None
     layer_stride, block_stride, *_ = compute_layout_strides(
-        spec, NB, LAYERS, layout, fixed_strides=(None, fixed_block, None, None, None))
-    tensor = KVCacheTensor(size=page * LAYERS * NB, layers=names, layer_stride=layer_stride,
-                           block_stride=block_stride)
-    config = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[tensor],
-                           kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+        spec, NB, LAYERS, layout, fixed_strides=(None, fixed_block, None, None, None)
+    )
+    tensor = KVCacheTensor(
+        size=page * LAYERS * NB, layers=names, layer_stride=layer_stride, block_stride=block_stride
+    )
+    config = KVCacheConfig(
+        num_blocks=NB, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
+    )
     views = allocate_kv_cache(config, torch.device("cpu"), layout)
     assert len({v.untyped_storage().data_ptr() for v in views.values()}) == 1
     return views
@@ -142,12 +151,17 @@ def per_layer_allocation(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     the CPU attention backend ((2, NB, H, BS, D) up to 0.22, blocks first from 0.23)."""
     from vllm.v1.attention.backends import cpu_attn
 
-    backend = next(c for c in vars(cpu_attn).values()
-                   if isinstance(c, type) and c.__module__ == cpu_attn.__name__
-                   and "get_kv_cache_shape" in vars(c))
+    backend = next(
+        c
+        for c in vars(cpu_attn).values()
+        if isinstance(c, type)
+        and c.__module__ == cpu_attn.__name__
+        and "get_kv_cache_shape" in vars(c)
+    )
     shape = backend.get_kv_cache_shape(NB, BS, H, D)
-    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=dtype)
-            for i in range(LAYERS)}
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=dtype) for i in range(LAYERS)
+    }
 
 
 def vllm_allocations() -> dict[str, Callable[[torch.dtype], dict[str, torch.Tensor]]]:
@@ -157,8 +171,9 @@ def vllm_allocations() -> dict[str, Callable[[torch.dtype], dict[str, torch.Tens
         from vllm.v1.kv_cache_layout import KVCacheLayout
     except ImportError:
         return {"per-layer": per_layer_allocation}
-    return {layout.name: functools.partial(shared_buffer_allocation, layout)
-            for layout in KVCacheLayout}
+    return {
+        layout.name: functools.partial(shared_buffer_allocation, layout) for layout in KVCacheLayout
+    }
 
 
 VLLM_ALLOCATIONS = vllm_allocations()
@@ -166,8 +181,10 @@ VLLM_ALLOCATIONS = vllm_allocations()
 
 def allocate(kind: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
     """The installed vLLM's allocation `kind`, every layer filled with random bytes."""
-    return {name: filled(view, seed + i)
-            for i, (name, view) in enumerate(VLLM_ALLOCATIONS[kind](dtype).items())}
+    return {
+        name: filled(view, seed + i)
+        for i, (name, view) in enumerate(VLLM_ALLOCATIONS[kind](dtype).items())
+    }
 
 
 def page_in_memory_order(tensor: torch.Tensor, block: int) -> list[float]:
@@ -190,8 +207,11 @@ def test_pages_move_between_every_pair_of_vllm_allocations_alike(source_kind: st
     (e.g. layer- and block-outermost views of one page order), layers at any offset."""
     source = allocate(source_kind)
     fingerprint = recognise(source, NB, BUILTINS).fingerprint
-    alike = [kind for kind in VLLM_ALLOCATIONS
-             if recognise(allocate(kind), NB, BUILTINS).fingerprint == fingerprint]
+    alike = [
+        kind
+        for kind in VLLM_ALLOCATIONS
+        if recognise(allocate(kind), NB, BUILTINS).fingerprint == fingerprint
+    ]
     assert source_kind in alike
     for kind in alike:
         round_trip(source, allocate(kind, seed=50))
@@ -216,9 +236,12 @@ def test_one_fingerprint_means_interchangeable_pages() -> None:
     for a, b in LAYER_AND_BLOCK_OUTERMOST:
         assert (a in prints) == (b in prints)
         assert prints.get(a) == prints.get(b), (a, b)
-    assert recognise({"l": torch.zeros(NB, H, BS, 2 * D)}, NB, BUILTINS).fingerprint != \
-        recognise({"l": torch.zeros(NB, H, BS, 2 * D, dtype=torch.float16)}, NB,
-                  BUILTINS).fingerprint
+    assert (
+        recognise({"l": torch.zeros(NB, H, BS, 2 * D)}, NB, BUILTINS).fingerprint
+        != recognise(
+            {"l": torch.zeros(NB, H, BS, 2 * D, dtype=torch.float16)}, NB, BUILTINS
+        ).fingerprint
+    )
 
 
 def test_the_fingerprint_ignores_how_many_blocks_there_are() -> None:
@@ -293,5 +316,6 @@ def test_cpu_pages_packed_for_other_kernels_are_not_interchangeable(monkeypatch)
     amx = not torch.cpu._is_amx_tile_supported()
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     assert recognise(cache, NB, BUILTINS).fingerprint != here, "vLLM packs AMX pages otherwise"
-    assert recognise({"l": cache["l"].to("meta")}, NB, BUILTINS).fingerprint == on_meta, \
+    assert recognise({"l": cache["l"].to("meta")}, NB, BUILTINS).fingerprint == on_meta, (
         "a device cache's pages do not depend on the host's CPU"
+    )

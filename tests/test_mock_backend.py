@@ -80,39 +80,86 @@ def test_the_pool_is_dropped_when_its_last_store_closes(open_stores) -> None:
 @pytest.mark.parametrize(
     ("name", "declared"),
     [
-        ("mock", {"medium": "host", "zero_copy": False, "removal_log": True,
-                  "lists_keys": True, "wraps": False}),
-        ("shm", {"medium": "host", "zero_copy": True, "removal_log": True,
-                 "lists_keys": True, "wraps": True}),
-        ("cxl", {"medium": "host", "zero_copy": True, "removal_log": True,
-                 "lists_keys": True, "wraps": True}),
-        ("redis", {"medium": "remote", "zero_copy": False, "removal_log": False,
-                   "lists_keys": True, "wraps": False}),
-        ("dirstore", {"medium": "disk", "zero_copy": False, "removal_log": False,
-                      "lists_keys": False, "wraps": False}),
+        (
+            "mock",
+            {
+                "medium": "host",
+                "zero_copy": False,
+                "removal_log": True,
+                "lists_keys": True,
+                "wraps": False,
+            },
+        ),
+        (
+            "shm",
+            {
+                "medium": "host",
+                "zero_copy": True,
+                "removal_log": True,
+                "lists_keys": True,
+                "wraps": True,
+            },
+        ),
+        (
+            "cxl",
+            {
+                "medium": "host",
+                "zero_copy": True,
+                "removal_log": True,
+                "lists_keys": True,
+                "wraps": True,
+            },
+        ),
+        (
+            "redis",
+            {
+                "medium": "remote",
+                "zero_copy": False,
+                "removal_log": False,
+                "lists_keys": True,
+                "wraps": False,
+            },
+        ),
+        (
+            "dirstore",
+            {
+                "medium": "disk",
+                "zero_copy": False,
+                "removal_log": False,
+                "lists_keys": False,
+                "wraps": False,
+            },
+        ),
     ],
 )
 def test_each_backend_declares_what_it_can_do(name, declared) -> None:
-    from maru.plugins import get_plugin_manager
+    from maru.backends.registry import backend_class
 
-    backend = get_plugin_manager().backend(name)
+    backend = backend_class(name)
     assert {capability: getattr(backend, capability) for capability in declared} == declared
 
 
 def test_a_backend_that_declares_nothing_claims_no_host_memory_and_no_private_store() -> None:
     from maru.backends.base import Backend
 
-    assert (Backend.medium, Backend.zero_copy, Backend.removal_log, Backend.lists_keys,
-            Backend.wraps) == ("remote", False, False, False, False)
+    assert (
+        Backend.medium,
+        Backend.zero_copy,
+        Backend.removal_log,
+        Backend.lists_keys,
+        Backend.wraps,
+    ) == ("remote", False, False, False, False)
     assert Backend.private_options("tag", True) is None
 
 
 @pytest.mark.parametrize("operation", ["destroy", "clear", "info", "populate"])
 def test_optional_operations_it_lacks_name_the_backend_and_the_operation(
-        open_stores, operation) -> None:
+    open_stores, operation
+) -> None:
     store = open_stores(backend="mock", mock={"name": unique_name()})
-    with pytest.raises(maru.UnsupportedOperationError,
-                       match=rf"the mock backend does not support {operation}\(\)"):
+    with pytest.raises(
+        maru.UnsupportedOperationError, match=rf"the mock backend does not support {operation}\(\)"
+    ):
         getattr(store, operation)()
     assert store.label == "mock store"
     with type(store).open_existing(store.config) as again:

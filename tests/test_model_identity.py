@@ -24,8 +24,9 @@ def test_other_weights_at_the_same_path_are_another_model(tiny_model, tmp_path) 
     before = model_identity(str(copy))
     sizes = sorted(p.stat().st_size for p in copy.glob("*.safetensors"))
     build_tiny_llama(copy, seed=1)
-    assert sorted(p.stat().st_size for p in copy.glob("*.safetensors")) == sizes, \
+    assert sorted(p.stat().st_size for p in copy.glob("*.safetensors")) == sizes, (
         "same file names and sizes: only the bytes differ"
+    )
     assert model_identity(str(copy)) != before
 
 

@@ -62,7 +62,9 @@ def test_e2e_plot_draws_whatever_engines_the_report_holds(tmp_path) -> None:
     report = {
         "ttft_median_s": {"none": 2.5, "maru_hit": 0.02, "someone_else": 0.4},
         "tokens_loaded": {"maru": [992, 992]},
-        "prompts": 2, "prompt_tokens": 1025, "model": {"layers": 2, "hidden": 64},
+        "prompts": 2,
+        "prompt_tokens": 1025,
+        "model": {"layers": 2, "hidden": 64},
     }
     path = tmp_path / "e2e.png"
     e2e_plot(report, path)
@@ -77,7 +79,9 @@ def test_plots_without_matplotlib_say_how_to_install_it(mock_report, tmp_path, m
 
 
 def test_maru_bench_plot_writes_the_figure(capsys, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(maru.cli.bench, "run_bench", functools.partial(run_bench, sizes=SMALL_SIZES))
+    monkeypatch.setattr(
+        maru.cli.bench, "run_bench", functools.partial(run_bench, sizes=SMALL_SIZES)
+    )
     path = tmp_path / "bench.png"
     code = main(["bench", "--backend", "mock", "--plot", str(path)])
     out, _ = capsys.readouterr()
@@ -93,7 +97,9 @@ def test_maru_bench_plot_writes_the_figure(capsys, tmp_path, monkeypatch) -> Non
 def test_maru_bench_plot_refuses_a_bad_path_before_measuring(
     capsys, tmp_path, monkeypatch, name, expected
 ) -> None:
-    monkeypatch.setattr(maru.cli.bench, "run_bench", lambda *args, **kwargs: pytest.fail("measured"))
+    monkeypatch.setattr(
+        maru.cli.bench, "run_bench", lambda *args, **kwargs: pytest.fail("measured")
+    )
     path = tmp_path / name
     code = main(["bench", "--plot", str(path)])
     _, err = capsys.readouterr()
@@ -105,7 +111,9 @@ def test_maru_bench_plot_refuses_a_bad_path_before_measuring(
 
 def test_maru_bench_without_matplotlib_exits_before_measuring(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setattr(maru.cli.bench, "run_bench", lambda *args, **kwargs: pytest.fail("measured"))
+    monkeypatch.setattr(
+        maru.cli.bench, "run_bench", lambda *args, **kwargs: pytest.fail("measured")
+    )
     code = main(["bench", "--plot", str(tmp_path / "bench.png")])
     _, err = capsys.readouterr()
     assert code == 1
@@ -115,8 +123,9 @@ def test_maru_bench_without_matplotlib_exits_before_measuring(capsys, tmp_path, 
 def run_e2e_benchmark(*argv: str):
     """benchmarks/e2e_vllm.py with `argv`, in a process of its own, as `make bench` runs it."""
     script = ROOT / "benchmarks" / "e2e_vllm.py"
-    return subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script), *argv], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_e2e_benchmark_redraws_its_plot_from_the_json_without_engines(tmp_path) -> None:

@@ -136,7 +136,7 @@ class ThingPlugin:
 def test_the_plugin_manager_validates_options_but_leaves_the_backend_check_to_the_registry():
     manager = MaruPluginManager(load_entry_points=False, plugins=[ThingPlugin])
     assert manager.backend_options["thing"] is ThingOptions
-    assert manager.backend("thing") is NotABackend
+    assert manager.provided_backend("thing").cls is NotABackend
     with pytest.raises(
         maru.PluginError,
         match=r"backend 'thing' from distribution '.*' "
@@ -163,8 +163,6 @@ def test_the_registry_names_the_installed_backends_for_an_unknown_one() -> None:
 def test_open_store_refuses_a_class_that_is_not_a_backend(monkeypatch) -> None:
     manager = MaruPluginManager(load_entry_points=False, plugins=[ThingPlugin])
     monkeypatch.setattr("maru.backends.registry.get_plugin_manager", lambda: manager)
-    config = maru.MaruConfig.model_validate(
-        {"backend": "thing"}, backends=manager.backend_options
-    )
+    config = maru.MaruConfig.model_validate({"backend": "thing"}, backends=manager.backend_options)
     with pytest.raises(maru.PluginError, match="does not subclass"):
         maru.open_store(config)

@@ -23,9 +23,11 @@ def open_pool(request, pool_names, tmp_path):
     path = shm_path(name) if request.param == "shm" else device
     stores: list[maru.Backend] = []
 
-    where = {"name": name} if request.param == "shm" else {
-        "mode": "emulated", "device": str(device), "align": 4096
-    }
+    where = (
+        {"name": name}
+        if request.param == "shm"
+        else {"mode": "emulated", "device": str(device), "align": 4096}
+    )
 
     def opener(checksum: bool) -> maru.Backend:
         options = {request.param: where | {"checksum": checksum}}

@@ -52,8 +52,9 @@ def test_clear_with_a_namespace_removes_only_its_keys(capsys, pool_config) -> No
     with maru.open_store(maru.load_config(config)) as store:
         for key in ours + theirs:
             store.put(key, b"x")
-    code, out, _ = run(capsys, "pool", "clear", "--config", config, "--namespace",
-                       "tenant-a/model-1", "--json")
+    code, out, _ = run(
+        capsys, "pool", "clear", "--config", config, "--namespace", "tenant-a/model-1", "--json"
+    )
     assert (code, json.loads(out)["removed"]) == (0, 1)
     code, out, _ = run(capsys, "pool", "clear", "--config", config, "--namespace", "tenant-a")
     assert code == 0 and "removed 1 objects of namespace 'tenant-a'" in out
@@ -74,12 +75,14 @@ def test_stats_watch_shows_sizes_and_rates_for_people(capsys, pool_config) -> No
     assert run(capsys, "pool", "create", "--config", config)[0] == 0
     with maru.open_store(maru.load_config(config)) as store:
         store.put(b"a", b"1" * 4096)
-        code, out, _ = run(capsys, "pool", "stats", "--config", config, "--watch", "0.2",
-                           "--count", "2", "--json")
+        code, out, _ = run(
+            capsys, "pool", "stats", "--config", config, "--watch", "0.2", "--count", "2", "--json"
+        )
         assert code == 0 and json.loads(out.splitlines()[-1])["hits_per_s"] == 0
         store.get(b"a")
-        code, out, _ = run(capsys, "pool", "stats", "--config", config, "--watch", "0.01",
-                           "--count", "2")
+        code, out, _ = run(
+            capsys, "pool", "stats", "--config", config, "--watch", "0.01", "--count", "2"
+        )
     lines = out.splitlines()
     assert code == 0 and len(lines) == 2
     assert re.search(r"used [\d.]+ KiB of 64 MiB  objects 1 ", lines[0]), lines[0]
@@ -87,10 +90,13 @@ def test_stats_watch_shows_sizes_and_rates_for_people(capsys, pool_config) -> No
     assert run(capsys, "pool", "destroy", "--config", config)[0] == 0
 
 
-@pytest.mark.parametrize(("action", "operation"), [
-    ("stats", "info()"), ("create", "info()"), ("clear", "clear()"), ("destroy", "destroy()")])
-def test_pool_commands_name_the_operation_a_backend_lacks(capsys, monkeypatch, action,
-                                                          operation) -> None:
+@pytest.mark.parametrize(
+    ("action", "operation"),
+    [("stats", "info()"), ("create", "info()"), ("clear", "clear()"), ("destroy", "destroy()")],
+)
+def test_pool_commands_name_the_operation_a_backend_lacks(
+    capsys, monkeypatch, action, operation
+) -> None:
     monkeypatch.setenv("MARU_BACKEND", "mock")
     code, _, err = run(capsys, "pool", action)
     assert code == 2, err
@@ -141,9 +147,12 @@ or of the pool package by its old, public-looking name."""
 
 
 def test_the_pool_package_is_private_to_the_backends() -> None:
-    for line in ("from maru.backends._pool import memory_of",
-                 "    from maru.backends._pool.core import Pool",
-                 "import maru.backends._pool", "from maru.backends.pool import PoolBackend"):
+    for line in (
+        "from maru.backends._pool import memory_of",
+        "    from maru.backends._pool.core import Pool",
+        "import maru.backends._pool",
+        "from maru.backends.pool import PoolBackend",
+    ):
         assert PRIVATE_POOL_IMPORT.search(line), line
     for line in ("from maru.backends.base import Backend", "from maru.backends.shm import x"):
         assert not PRIVATE_POOL_IMPORT.search(line), line

@@ -43,8 +43,10 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
             text=True,
         )
         if done.returncode:
-            pytest.fail(f"these tests mount a small tmpfs, which needs root (CI runs as root; "
-                        f"run `sudo make test`): {done.stderr.strip()}")
+            pytest.fail(
+                f"these tests mount a small tmpfs, which needs root (CI runs as root; "
+                f"run `sudo make test`): {done.stderr.strip()}"
+            )
         mounted.append(target)
         return target
 

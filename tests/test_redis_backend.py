@@ -22,16 +22,18 @@ def redis_cluster(tmp_path_factory):
 
 def redis_opener(open_stores, **redis):
     """make_store for the contract: every store gets a namespace of its own."""
-    return lambda capacity: open_stores(backend="redis", capacity=capacity,
-                                        namespace=unique_name(), redis=redis)
+    return lambda capacity: open_stores(
+        backend="redis", capacity=capacity, namespace=unique_name(), redis=redis
+    )
 
 
 class TestFakeRedisContract(BackendContract):
     @pytest.fixture
     def make_store(self, open_stores, monkeypatch):
         server = fakeredis.FakeServer()
-        monkeypatch.setattr(RedisBackend, "_connect",
-                            lambda self: fakeredis.FakeRedis(server=server))
+        monkeypatch.setattr(
+            RedisBackend, "_connect", lambda self: fakeredis.FakeRedis(server=server)
+        )
         return redis_opener(open_stores)
 
 
@@ -59,12 +61,18 @@ def test_the_server_evicts_under_maxmemory(open_stores, redis_server) -> None:
 def test_a_stopped_server_fails_fast_and_work_resumes(open_stores, tmp_path) -> None:
     server = RedisServer(tmp_path / "flaky").start()
     try:
-        store = open_stores(backend="redis", namespace=unique_name(),
-                            redis={"url": server.url, "timeout": 0.3, "connect_timeout": 0.3})
+        store = open_stores(
+            backend="redis",
+            namespace=unique_name(),
+            redis={"url": server.url, "timeout": 0.3, "connect_timeout": 0.3},
+        )
         assert store.put(b"before", b"1")
         server.stop()
-        for operation in (lambda: store.get(b"before"), lambda: store.put(b"x", b"1"),
-                          lambda: store.contains([b"before", b"x"])):
+        for operation in (
+            lambda: store.get(b"before"),
+            lambda: store.put(b"x", b"1"),
+            lambda: store.contains([b"before", b"x"]),
+        ):
             status, result = call_with_deadline(operation)
             assert status == "error" and isinstance(result, maru.BackendError), result
         server.start()
@@ -83,8 +91,9 @@ def test_an_unreachable_server_is_a_backend_error(open_stores) -> None:
 
 
 def test_server_errors_such_as_oom_are_backend_errors(open_stores, tmp_path) -> None:
-    server = RedisServer(tmp_path / "tiny", "--maxmemory", "1mb",
-                         "--maxmemory-policy", "noeviction").start()
+    server = RedisServer(
+        tmp_path / "tiny", "--maxmemory", "1mb", "--maxmemory-policy", "noeviction"
+    ).start()
     try:
         store = open_stores(backend="redis", redis={"url": server.url})
         with pytest.raises(maru.BackendError, match=r"OutOfMemoryError|OOM"):
@@ -95,10 +104,14 @@ def test_server_errors_such_as_oom_are_backend_errors(open_stores, tmp_path) -> 
 
 
 def test_namespaces_share_one_server_without_seeing_each_other(open_stores, redis_server):
-    first = open_stores(backend="redis", namespace="a", redis={"url": redis_server.url,
-                                                                "key_prefix": unique_name()})
-    second = open_stores(backend="redis", namespace="b",
-                         redis={"url": redis_server.url, "key_prefix": first.options.key_prefix})
+    first = open_stores(
+        backend="redis", namespace="a", redis={"url": redis_server.url, "key_prefix": unique_name()}
+    )
+    second = open_stores(
+        backend="redis",
+        namespace="b",
+        redis={"url": redis_server.url, "key_prefix": first.options.key_prefix},
+    )
     first.put(b"k", b"from a")
     assert second.get(b"k") is None
     assert second.put(b"k", b"from b")
@@ -106,8 +119,9 @@ def test_namespaces_share_one_server_without_seeing_each_other(open_stores, redi
 
 
 def test_ttl_expires_objects(open_stores, redis_server) -> None:
-    store = open_stores(backend="redis", namespace=unique_name(),
-                        redis={"url": redis_server.url, "ttl": 30})
+    store = open_stores(
+        backend="redis", namespace=unique_name(), redis={"url": redis_server.url, "ttl": 30}
+    )
     store.put(b"k", b"v")
     assert 0 < store._client.pttl(store._key(b"k")) <= 30_000
 
@@ -136,11 +150,13 @@ def test_urls_of_other_schemes_are_config_errors(url: str) -> None:
 
 def test_a_unix_socket_url_works(open_stores, tmp_path) -> None:
     socket_path = tmp_path / "redis.sock"
-    server = RedisServer(tmp_path / "unix", "--unixsocket", str(socket_path),
-                         "--unixsocketperm", "700").start()
+    server = RedisServer(
+        tmp_path / "unix", "--unixsocket", str(socket_path), "--unixsocketperm", "700"
+    ).start()
     try:
-        store = open_stores(backend="redis", namespace=unique_name(),
-                            redis={"url": f"unix://{socket_path}"})
+        store = open_stores(
+            backend="redis", namespace=unique_name(), redis={"url": f"unix://{socket_path}"}
+        )
         assert store.put(b"k", b"over a socket")
         assert store.get(b"k") == b"over a socket"
     finally:
@@ -150,16 +166,21 @@ def test_a_unix_socket_url_works(open_stores, tmp_path) -> None:
 def cluster_and_server_errors():
     from redis import exceptions
 
-    return [exceptions.ConnectionError("refused"), exceptions.TimeoutError("read timed out"),
-            exceptions.ResponseError("OOM command not allowed"),
-            exceptions.MovedError("3999 127.0.0.1:6381"),
-            exceptions.AskError("3999 127.0.0.1:6381"),
-            exceptions.ClusterDownError("CLUSTERDOWN"), exceptions.TryAgainError("TRYAGAIN")]
+    return [
+        exceptions.ConnectionError("refused"),
+        exceptions.TimeoutError("read timed out"),
+        exceptions.ResponseError("OOM command not allowed"),
+        exceptions.MovedError("3999 127.0.0.1:6381"),
+        exceptions.AskError("3999 127.0.0.1:6381"),
+        exceptions.ClusterDownError("CLUSTERDOWN"),
+        exceptions.TryAgainError("TRYAGAIN"),
+    ]
 
 
 @pytest.mark.parametrize("error", cluster_and_server_errors(), ids=lambda e: type(e).__name__)
 def test_every_redis_failure_is_a_backend_error_the_connector_can_treat_as_a_miss(
-        open_stores, monkeypatch, error) -> None:
+    open_stores, monkeypatch, error
+) -> None:
     server = fakeredis.FakeServer()
     monkeypatch.setattr(RedisBackend, "_connect", lambda self: fakeredis.FakeRedis(server=server))
     store = open_stores(backend="redis", namespace=unique_name())
@@ -169,7 +190,10 @@ def test_every_redis_failure_is_a_backend_error_the_connector_can_treat_as_a_mis
 
     for command in ("get", "set", "exists", "delete"):
         monkeypatch.setattr(store._client, command, fail)
-    for operation in (lambda: store.get(b"k"), lambda: store.put(b"k", b"v"),
-                      lambda: store.delete(b"k")):
+    for operation in (
+        lambda: store.get(b"k"),
+        lambda: store.put(b"k", b"v"),
+        lambda: store.delete(b"k"),
+    ):
         with pytest.raises(maru.BackendError, match=type(error).__name__):
             operation()

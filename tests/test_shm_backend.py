@@ -91,7 +91,8 @@ def test_the_old_name_shm_mode_still_works_and_says_its_new_name(pool_names, cap
             assert stat.S_IMODE(os.stat(shm_path(name)).st_mode) == 0o640
             assert store.options.file_mode == 0o640
         assert deprecation_warnings(caplog) == [
-            "shm.mode is deprecated: it is now shm.file_mode (as in the cxl section)"]
+            "shm.mode is deprecated: it is now shm.file_mode (as in the cxl section)"
+        ]
         with pytest.raises(maru.ConfigError, match=r"'mode': '0999'.*not a permission mode"):
             maru.load_config(backend="shm", shm={"mode": "0999"})
         caplog.clear()
@@ -188,4 +189,5 @@ def test_a_reader_that_fell_further_behind_than_the_log_is_told_to_check(pool_na
         latest = store.removed_since(None).cursor
         assert latest == cursor + pool_format.REMOVAL_LOG_SLOTS + 1
         assert store.removed_since(latest - pool_format.REMOVAL_LOG_SLOTS).digests == (
-            [key_digest(b"k")] * pool_format.REMOVAL_LOG_SLOTS)
+            [key_digest(b"k")] * pool_format.REMOVAL_LOG_SLOTS
+        )

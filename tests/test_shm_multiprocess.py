@@ -429,4 +429,3 @@ def test_evictions_by_another_process_are_read_from_the_removal_log(pool_names) 
         assert seen.digests is not None
         assert set(map(key_digest, ours)) <= set(seen.digests)
         assert store.contains(ours) == [False] * 4
-

@@ -18,10 +18,14 @@ def tiered(open_stores, redis_server):
 
     def make(capacity: int = 8 << 20, url: str | None = None, **shm) -> maru.Backend:
         pools.append(unique_name("tier"))
-        return open_stores(backend="tiered", capacity=capacity, namespace=unique_name(),
-                           tiered={"tiers": ["shm", "redis"]},
-                           shm={"name": pools[-1], **shm},
-                           redis={"url": url or redis_server.url})
+        return open_stores(
+            backend="tiered",
+            capacity=capacity,
+            namespace=unique_name(),
+            tiered={"tiers": ["shm", "redis"]},
+            shm={"name": pools[-1], **shm},
+            redis={"url": url or redis_server.url},
+        )
 
     yield make
     for pool in pools:
@@ -65,8 +69,7 @@ def test_lookups_ask_a_lower_tier_only_about_what_is_missing_above(tiered, monke
     redis.put(b"b", b"2")
     asked: list[list[bytes]] = []
     original = redis.contains
-    monkeypatch.setattr(redis, "contains", lambda keys: asked.append(list(keys)) or
-                        original(keys))
+    monkeypatch.setattr(redis, "contains", lambda keys: asked.append(list(keys)) or original(keys))
     assert store.contains([b"a", b"b", b"c"]) == [True, True, False]
     assert asked == [[b"b", b"c"]]
 
@@ -102,9 +105,14 @@ def test_every_tier_failing_is_a_backend_error(tiered, monkeypatch) -> None:
         store.contains([b"k"])
 
 
-@pytest.mark.parametrize(("tiers", "problem"), [
-    (["shm"], "at least 2"), (["shm", "shm"], "each backend may appear once"),
-    (["shm", "tiered"], "cannot itself be 'tiered'")])
+@pytest.mark.parametrize(
+    ("tiers", "problem"),
+    [
+        (["shm"], "at least 2"),
+        (["shm", "shm"], "each backend may appear once"),
+        (["shm", "tiered"], "cannot itself be 'tiered'"),
+    ],
+)
 def test_tier_lists_are_validated(tiers, problem) -> None:
     with pytest.raises(maru.ConfigError, match=problem):
         maru.load_config(backend="tiered", tiered={"tiers": tiers})
@@ -116,15 +124,21 @@ def plugin_tiers(open_stores, tmp_path):
     its keys), in the order given."""
 
     def make(*tiers: str) -> maru.Backend:
-        return open_stores(backend="tiered", capacity=1 << 20, namespace=unique_name(),
-                           tiered={"tiers": list(tiers)}, mock={"name": unique_name()},
-                           dirstore={"path": str(tmp_path / "objects")})
+        return open_stores(
+            backend="tiered",
+            capacity=1 << 20,
+            namespace=unique_name(),
+            tiered={"tiers": list(tiers)},
+            mock={"name": unique_name()},
+            dirstore={"path": str(tmp_path / "objects")},
+        )
 
     return make
 
 
 def test_a_tier_that_cannot_list_its_keys_is_left_out_of_keys_and_delete_prefix(
-        plugin_tiers) -> None:
+    plugin_tiers,
+) -> None:
     store = plugin_tiers("mock", "dirstore")
     mock, dirstore = store.tiers
     assert (store.lists_keys, mock.lists_keys, dirstore.lists_keys) == (True, True, False)
@@ -150,7 +164,8 @@ def test_keys_are_unsupported_only_when_no_tier_can_list_them(plugin_tiers, monk
         store.delete_prefix(b"maru/")
 
 
-@pytest.mark.parametrize(("tiers", "medium"), [(("mock", "dirstore"), "host"),
-                                               (("dirstore", "mock"), "disk")])
+@pytest.mark.parametrize(
+    ("tiers", "medium"), [(("mock", "dirstore"), "host"), (("dirstore", "mock"), "disk")]
+)
 def test_the_bytes_live_where_the_first_tiers_do(plugin_tiers, tiers, medium) -> None:
     assert plugin_tiers(*tiers).medium == medium

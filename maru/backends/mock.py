@@ -73,7 +73,7 @@ class _Pool:
         behind = self.removals - cursor
         if not 0 <= behind <= len(self.removal_log):
             return Removals(self.removals, None)
-        return Removals(self.removals, list(self.removal_log)[len(self.removal_log) - behind:])
+        return Removals(self.removals, list(self.removal_log)[len(self.removal_log) - behind :])
 
     def lookup(self, key: bytes) -> bytearray | None:
         data = self.objects.get(key)

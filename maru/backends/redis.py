@@ -30,11 +30,15 @@ SCHEMES = ("redis", "rediss", "unix")
 class RedisOptions(Options):
     """The `redis:` config section."""
 
-    url: str = Field("redis://127.0.0.1:6379/0", description="redis://, rediss:// (TLS) or "
-                     "unix:// address of a server (or of any node of a cluster)")
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="redis://, rediss:// (TLS) or "
+        "unix:// address of a server (or of any node of a cluster)",
+    )
     username: str | None = Field(None, description="ACL user (or in the URL)")
-    password: SecretStr | None = Field(None, description="password; set it with "
-                                       "MARU_REDIS__PASSWORD rather than in a file")
+    password: SecretStr | None = Field(
+        None, description="password; set it with MARU_REDIS__PASSWORD rather than in a file"
+    )
     db: int | None = Field(None, ge=0, description="database number (not in cluster mode)")
     key_prefix: str = Field("maru:", description="prefix of every key maru writes")
     ttl: float | None = Field(None, gt=0, description="seconds an object lives, if set")
@@ -74,7 +78,9 @@ class RedisBackend(Backend):
         parts = urlsplit(options.url)
         where = parts.hostname or parts.path
         port = f":{parts.port}" if parts.port else ""
-        return f"{'Redis Cluster' if options.cluster else 'Redis'} at {parts.scheme}://{where}{port}"
+        return (
+            f"{'Redis Cluster' if options.cluster else 'Redis'} at {parts.scheme}://{where}{port}"
+        )
 
     def _connect(self) -> Any:
         try:
@@ -113,8 +119,7 @@ class RedisBackend(Backend):
             yield
         except redis.RedisError as exc:
             raise BackendError(
-                f"{operation} on {self.describe(self.options)} failed: "
-                f"{type(exc).__name__}: {exc}"
+                f"{operation} on {self.describe(self.options)} failed: {type(exc).__name__}: {exc}"
             ) from None
 
     def _call(self, operation: str, *args: Any, **kwargs: Any) -> Any:
@@ -203,15 +208,16 @@ class RedisBackend(Backend):
     def _scan(self, prefix: bytes) -> list[bytes]:
         """The server's names of the keys under this store's prefix and `prefix`."""
         with self._failures("scan"):
-            return list(self._client.scan_iter(
-                match=_glob_escape(self._prefix + prefix) + b"*", count=1000))
+            return list(
+                self._client.scan_iter(match=_glob_escape(self._prefix + prefix) + b"*", count=1000)
+            )
 
     def _keys(self, prefix: bytes) -> list[bytes]:
-        return [name[len(self._prefix):] for name in self._scan(prefix)]
+        return [name[len(self._prefix) :] for name in self._scan(prefix)]
 
     def _delete_prefix(self, prefix: bytes) -> int:
         names = self._scan(prefix)
-        return sum(self._call("delete", *names[i:i + 1000]) for i in range(0, len(names), 1000))
+        return sum(self._call("delete", *names[i : i + 1000]) for i in range(0, len(names), 1000))
 
     def _stats(self) -> StoreStats:
         """Objects and bytes under this store's prefix (a SCAN: for tools, not hot paths);
@@ -220,8 +226,9 @@ class RedisBackend(Backend):
         sizes = self._sizes(keys)
         evicted = sum(node.get("evicted_keys", 0) for node in _per_node(self._server_stats()))
         with self._lock:
-            return StoreStats(self.config.capacity, sum(sizes), len(keys), self._hits,
-                              self._misses, evicted)
+            return StoreStats(
+                self.config.capacity, sum(sizes), len(keys), self._hits, self._misses, evicted
+            )
 
     def _server_stats(self) -> dict[str, Any]:
         """INFO stats, or nothing from a server or proxy without INFO (no eviction count)."""

@@ -54,8 +54,10 @@ class ShmOptions(PoolOptions):
     """The `shm:` config section."""
 
     name: PoolName = Field("default", description="pool name; processes with one name share it")
-    file_mode: FileMode = Field(0o600, description="permissions of the shared memory object, "
-                                "e.g. '0660' for a serving group")
+    file_mode: FileMode = Field(
+        0o600,
+        description="permissions of the shared memory object, e.g. '0660' for a serving group",
+    )
 
     @model_validator(mode="before")
     @classmethod

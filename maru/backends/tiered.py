@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from maru.backends.base import Backend, StoreStats
+from maru.backends.registry import backend_class
 from maru.config import Options
 from maru.errors import BackendError, UnsupportedOperationError
 from maru.hookspecs import hookimpl
@@ -35,8 +36,11 @@ UNSUPPORTED = object()
 class TieredOptions(Options):
     """The `tiered:` config section; each tier is configured by its own section."""
 
-    tiers: list[str] = Field(["shm", "redis"], min_length=2,
-                             description="backend names, the cheapest (tried first) first")
+    tiers: list[str] = Field(
+        ["shm", "redis"],
+        min_length=2,
+        description="backend names, the cheapest (tried first) first",
+    )
 
     @field_validator("tiers")
     @classmethod
@@ -56,14 +60,11 @@ class TieredBackend(Backend):
     description: ClassVar[str] = "several backends in order, e.g. shm in front of redis"
 
     def __init__(self, config: Any) -> None:
-        from maru.plugins import get_plugin_manager
-
         super().__init__(config)
-        manager = get_plugin_manager()
         self.tiers: list[Backend] = []
         try:
             for tier in self.options.tiers:
-                self.tiers.append(manager.backend(tier)(config))
+                self.tiers.append(backend_class(tier)(config))
         except BaseException:
             self._close()
             raise
@@ -77,8 +78,9 @@ class TieredBackend(Backend):
         return " in front of ".join(options.tiers)
 
     @staticmethod
-    def _attempt(tier: Backend, call: Callable[[Backend], Any], what: str,
-                 optional: bool = False) -> Any:
+    def _attempt(
+        tier: Backend, call: Callable[[Backend], Any], what: str, optional: bool = False
+    ) -> Any:
         """`call(tier)`, or FAILED if the tier fails: for this call, a miss (logged). A
         tier that cannot do an `optional` operation at all gives UNSUPPORTED."""
         try:
@@ -97,7 +99,7 @@ class TieredBackend(Backend):
             stored = self._attempt(tier, lambda t: t.put(key, data), "store")
             if stored is not FAILED:
                 if stored:
-                    self._store_in(self.tiers[index + 1:], key, data)
+                    self._store_in(self.tiers[index + 1 :], key, data)
                 return stored
         raise BackendError("every tier failed to put")
 
@@ -111,8 +113,9 @@ class TieredBackend(Backend):
         try:
             buffer = stack.enter_context(self.tiers[0].reserve(key, nbytes))
         except BackendError as exc:
-            log.warning("maru tier %s failed to reserve, buffering locally: %s",
-                        self.tiers[0].name, exc)
+            log.warning(
+                "maru tier %s failed to reserve, buffering locally: %s", self.tiers[0].name, exc
+            )
             stack.close()
             buffer, stack = memoryview(bytearray(nbytes)), None
         if buffer is None:
@@ -188,8 +191,9 @@ class TieredBackend(Backend):
         return sorted({key for answer in answers for key in answer})
 
     def _delete_prefix(self, prefix: bytes) -> int:
-        answers = self._answers(lambda t: t.delete_prefix(prefix), "delete by prefix",
-                                "delete_prefix")
+        answers = self._answers(
+            lambda t: t.delete_prefix(prefix), "delete by prefix", "delete_prefix"
+        )
         return max(answers)
 
     def _answers(self, call: Callable[[Backend], Any], what: str, operation: str) -> list[Any]:
@@ -198,8 +202,10 @@ class TieredBackend(Backend):
         answers = [self._attempt(tier, call, what, optional=True) for tier in self.tiers]
         able = [answer for answer in answers if answer is not UNSUPPORTED]
         if not able:
-            raise self.unsupported(operation, f"{what}: none of its tiers "
-                                   f"({', '.join(t.name for t in self.tiers)}) can")
+            raise self.unsupported(
+                operation,
+                f"{what}: none of its tiers ({', '.join(t.name for t in self.tiers)}) can",
+            )
         answered = [answer for answer in able if answer is not FAILED]
         if not answered:
             raise BackendError(f"every tier failed to {what}")
@@ -216,8 +222,15 @@ class TieredBackend(Backend):
         """The first tier's space and evictions; hits and misses of the tiers together."""
         top = self.tiers[0].stats()
         with self._lock:
-            return StoreStats(top.capacity, top.used, top.objects, self._hits, self._misses,
-                              top.evictions, top.reclaimed)
+            return StoreStats(
+                top.capacity,
+                top.used,
+                top.objects,
+                self._hits,
+                self._misses,
+                top.evictions,
+                top.reclaimed,
+            )
 
     def _close(self) -> None:
         for tier in self.tiers:

@@ -171,26 +171,38 @@ class EngineRun:
     """Free-form facts from the child (vLLM version, block size, number of KV blocks)."""
 
 
-def run_engine(model_dir: str | os.PathLike[str], prompts: list[list[int]],
-               **options: Any) -> EngineRun:
+def run_engine(
+    model_dir: str | os.PathLike[str], prompts: list[list[int]], **options: Any
+) -> EngineRun:
     """Run `prompts` through a fresh vLLM engine in its own process and return the result
     (`options` as for `start_engine`)."""
     return start_engine(model_dir, prompts, **options).result()
 
 
-def run_engine_in(python: str | os.PathLike[str], model_dir: str | os.PathLike[str],
-                  prompts: list[list[int]], **options: Any) -> EngineRun:
+def run_engine_in(
+    python: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str],
+    prompts: list[list[int]],
+    **options: Any,
+) -> EngineRun:
     """`run_engine` under another interpreter, e.g. a virtual environment with another vLLM
     release (`tools/vllm_era.py`): it runs `python -m maru.cli._engine JOB RESULT`."""
     with tempfile.TemporaryDirectory(prefix="maru-engine-") as folder:
         job, result = Path(folder) / "job.json", Path(folder) / "result.json"
-        job.write_text(json.dumps({"model_dir": str(model_dir), "prompts": prompts,
-                                   "options": options}))
-        finished = subprocess.run([str(python), "-m", "maru.cli._engine", str(job), str(result)],
-                                  capture_output=True, text=True, check=False)
+        job.write_text(
+            json.dumps({"model_dir": str(model_dir), "prompts": prompts, "options": options})
+        )
+        finished = subprocess.run(
+            [str(python), "-m", "maru.cli._engine", str(job), str(result)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if finished.returncode != 0 or not result.exists():
-            raise EngineRunError(f"{python} -m maru.cli._engine failed "
-                                 f"(exit {finished.returncode}):\n{finished.stderr[-6000:]}")
+            raise EngineRunError(
+                f"{python} -m maru.cli._engine failed "
+                f"(exit {finished.returncode}):\n{finished.stderr[-6000:]}"
+            )
         return EngineRun(**json.loads(result.read_text()))
 
 
@@ -256,8 +268,7 @@ def start_engine(
     built, go = ctx.Event(), ctx.Event()
     if not held:
         go.set()
-    proc = ctx.Process(target=_engine_child, args=(job, send, built, go),
-                       name="maru-vllm-engine")
+    proc = ctx.Process(target=_engine_child, args=(job, send, built, go), name="maru-vllm-engine")
     started = time.perf_counter()
     proc.start()
     send.close()
@@ -337,8 +348,9 @@ def _no_result(exitcode: int | None) -> str:
 
     The child reports every error of its job, so one that sent nothing died before the job
     started (e.g. while re-importing the caller's main module) or was killed."""
-    text = (f"engine process exited with code {exitcode} before running its job "
-            "(its stderr says why)")
+    text = (
+        f"engine process exited with code {exitcode} before running its job (its stderr says why)"
+    )
     if exitcode == 1:
         text += "; a script that calls run_engine needs an `if __name__ == '__main__':` guard"
     return text
@@ -535,8 +547,10 @@ def _connector_totals(llm: Any) -> dict[str, float]:
     """Both maru connector halves' counters since start-up, summed."""
     totals: dict[str, float] = {}
     for connector in _connector_halves(llm):
-        for half in (getattr(connector, "worker_half", None),
-                     getattr(connector, "scheduler_half", None)):
+        for half in (
+            getattr(connector, "worker_half", None),
+            getattr(connector, "scheduler_half", None),
+        ):
             for name, value in (half.stats.lifetime if half is not None else {}).items():
                 totals[name] = totals.get(name, 0) + value
     return totals

@@ -364,17 +364,35 @@ def parse_bench_size(text: str) -> int:
 def register(commands: Any, common: argparse.ArgumentParser) -> None:
     """`maru bench`."""
     bench = commands.add_parser("bench", parents=[common], help="benchmark backends")
-    bench.add_argument("--backend", action="append", metavar="NAME",
-                       help="installed backend to measure (repeatable; default: the "
-                       "configured one); `maru info` lists them")
-    bench.add_argument("--size", action="append", type=parse_bench_size, metavar="SIZE",
-                       help="object size to measure, e.g. 64KiB (repeatable; default "
-                       "64 KiB to 32 MiB)")
-    bench.add_argument("--capacity", type=parse_bench_size, metavar="SIZE",
-                       help="bytes of each store measured (default 1 GiB)")
-    add_config_option(bench, "config file (else MARU_CONFIG); a backend without a private "
-                      "store (e.g. a server) is measured where it names")
-    bench.add_argument("--plot", metavar="FILE.png",
-                       help="also draw throughput by object size against memcpy as a PNG "
-                       "(needs matplotlib: pip install 'maru[plot]')")
+    bench.add_argument(
+        "--backend",
+        action="append",
+        metavar="NAME",
+        help="installed backend to measure (repeatable; default: the "
+        "configured one); `maru info` lists them",
+    )
+    bench.add_argument(
+        "--size",
+        action="append",
+        type=parse_bench_size,
+        metavar="SIZE",
+        help="object size to measure, e.g. 64KiB (repeatable; default 64 KiB to 32 MiB)",
+    )
+    bench.add_argument(
+        "--capacity",
+        type=parse_bench_size,
+        metavar="SIZE",
+        help="bytes of each store measured (default 1 GiB)",
+    )
+    add_config_option(
+        bench,
+        "config file (else MARU_CONFIG); a backend without a private "
+        "store (e.g. a server) is measured where it names",
+    )
+    bench.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also draw throughput by object size against memcpy as a PNG "
+        "(needs matplotlib: pip install 'maru[plot]')",
+    )
     bench.set_defaults(run=cmd_bench)

@@ -27,8 +27,15 @@ from maru.cli.command import EXIT_FAILURE, EXIT_OK, Result, add_config_option
 from maru.config import resolve_config
 from maru.errors import ConfigError
 
-DEMO_MODEL = {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4, "head_dim": 64,
-              "intermediate": 1408, "vocab": 4096}
+DEMO_MODEL = {
+    "layers": 4,
+    "hidden": 512,
+    "heads": 8,
+    "kv_heads": 4,
+    "head_dim": 64,
+    "intermediate": 1408,
+    "vocab": 4096,
+}
 """Big enough that prefill, not start-up noise, dominates the time to first token."""
 
 
@@ -54,10 +61,12 @@ def private_pool(config: maru.MaruConfig) -> maru.MaruConfig:
 
 def connector_config(config: maru.MaruConfig) -> dict[str, Any]:
     """vLLM's --kv-transfer-config for MaruKVConnector with this maru config."""
-    return {"kv_connector": "MaruKVConnector", "kv_connector_module_path": "maru.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": config.portable()}
-
-
+    return {
+        "kv_connector": "MaruKVConnector",
+        "kv_connector_module_path": "maru.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": config.portable(),
+    }
 
 
 def demo_prompt_tokens(requested: int, chunk_tokens: int) -> int:
@@ -66,15 +75,22 @@ def demo_prompt_tokens(requested: int, chunk_tokens: int) -> int:
     compute."""
     chunks = (requested - 1) // chunk_tokens
     if chunks < 1:
-        raise ConfigError(f"prompt_tokens = {requested}: too short to share a chunk; allowed: "
-                          f"at least chunk_tokens + 1 = {chunk_tokens + 1}")
+        raise ConfigError(
+            f"prompt_tokens = {requested}: too short to share a chunk; allowed: "
+            f"at least chunk_tokens + 1 = {chunk_tokens + 1}"
+        )
     return chunks * chunk_tokens + 1
 
 
-def run_demo(config: maru.MaruConfig, *, model: Path | None = None, prompt_tokens: int = 2049,
-             vocab: int = DEMO_MODEL["vocab"],
-             progress: Callable[[str], None] = lambda line: None,
-             after_engine_a: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def run_demo(
+    config: maru.MaruConfig,
+    *,
+    model: Path | None = None,
+    prompt_tokens: int = 2049,
+    vocab: int = DEMO_MODEL["vocab"],
+    progress: Callable[[str], None] = lambda line: None,
+    after_engine_a: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
     """Engine A (cold, then its own cache) and engine B (maru) on one random prompt.
 
     `after_engine_a` runs between the two engines (tests corrupt the store there)."""
@@ -86,17 +102,27 @@ def run_demo(config: maru.MaruConfig, *, model: Path | None = None, prompt_token
         progress(f"demo model: {model} (random weights, built on first use) ...")
         build_tiny_llama(model, **DEMO_MODEL)
     prompt = np.random.default_rng().integers(1, vocab, length).tolist()
-    options = {"kv_transfer_config": connector_config(config), "max_tokens": 16, "held": True,
-               "log_path": model_cache().parent / "demo-engines.log"}
-    progress(f"starting engines A and B, two processes, side by side (engine logs: "
-             f"{options['log_path']}) ...")
-    engines = start_engine(model, [prompt, prompt], **options), start_engine(model, [prompt],
-                                                                            **options)
+    options = {
+        "kv_transfer_config": connector_config(config),
+        "max_tokens": 16,
+        "held": True,
+        "log_path": model_cache().parent / "demo-engines.log",
+    }
+    progress(
+        f"starting engines A and B, two processes, side by side (engine logs: "
+        f"{options['log_path']}) ..."
+    )
+    engines = (
+        start_engine(model, [prompt, prompt], **options),
+        start_engine(model, [prompt], **options),
+    )
     try:
         for engine in engines:
             engine.wait_built()
-        progress("engine A: prefilling the prompt, storing its KV in maru, then the prompt "
-                 "again from vLLM's own cache ...")
+        progress(
+            "engine A: prefilling the prompt, storing its KV in maru, then the prompt "
+            "again from vLLM's own cache ..."
+        )
         engine_a = engines[0].result()
         after_engine_a()
         progress("engine B: same prompt, loading its KV from maru ...")
@@ -122,19 +148,21 @@ def run_demo(config: maru.MaruConfig, *, model: Path | None = None, prompt_token
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as lines for people."""
-    cold, hit = report["ttft_cold_s"], report["ttft_hit_s"]
-    return "\n".join([
-        f"prompt: {report['prompt_tokens']} tokens, backend {report['backend']}",
-        f"engine A (cold prefill)       time to first token {cold * 1e3:8.1f} ms",
-        f"engine A again (vLLM's cache) time to first token {report['ttft_own_hit_s'] * 1e3:8.1f}"
-        f" ms ({report['own_hit_tokens']} tokens cached)",
-        f"engine B (maru hit)           time to first token {hit * 1e3:8.1f} ms "
-        f"({cold / hit:.1f}x faster than cold)",
-        f"tokens engine B loaded from maru: {report['tokens_loaded']}",
-        f"outputs identical (engine B's maru hit vs engine A's own cache hit): "
-        f"{report['identical']}",
-        "pool: " + ", ".join(f"{k}={v}" for k, v in report["stats"].items()),
-    ])
+    cold, own, hit = report["ttft_cold_s"], report["ttft_own_hit_s"], report["ttft_hit_s"]
+    return "\n".join(
+        [
+            f"prompt: {report['prompt_tokens']} tokens, backend {report['backend']}",
+            f"engine A (cold prefill)       time to first token {cold * 1e3:8.1f} ms",
+            f"engine A again (vLLM's cache) time to first token {own * 1e3:8.1f} ms "
+            f"({report['own_hit_tokens']} tokens cached)",
+            f"engine B (maru hit)           time to first token {hit * 1e3:8.1f} ms "
+            f"({cold / hit:.1f}x faster than cold)",
+            f"tokens engine B loaded from maru: {report['tokens_loaded']}",
+            f"outputs identical (engine B's maru hit vs engine A's own cache hit): "
+            f"{report['identical']}",
+            "pool: " + ", ".join(f"{k}={v}" for k, v in report["stats"].items()),
+        ]
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> Result:
@@ -143,8 +171,11 @@ def cmd_demo(args: argparse.Namespace) -> Result:
     configured = bool(resolved.sources)
     config = resolved.config if configured else private_pool(resolved.config)
     try:
-        report = run_demo(config, prompt_tokens=args.prompt_tokens,
-                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+        report = run_demo(
+            config,
+            prompt_tokens=args.prompt_tokens,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
     finally:
         if not configured:
             with maru.open_store(config) as store:
@@ -156,7 +187,12 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
     """`maru demo`."""
     demo = commands.add_parser("demo", parents=[common], help="share a prompt prefix's KV")
     add_config_option(demo)
-    demo.add_argument("--prompt-tokens", type=int, default=2049, metavar="N",
-                      help="length of the shared prompt, rounded down to whole chunks plus "
-                      "one token (default 2049)")
+    demo.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=2049,
+        metavar="N",
+        help="length of the shared prompt, rounded down to whole chunks plus "
+        "one token (default 2049)",
+    )
     demo.set_defaults(run=cmd_demo)

@@ -19,8 +19,16 @@ from maru.cli.command import EXIT_FAILURE, EXIT_OK, Result, add_config_option, o
 from maru.config import MaruConfig, load_config
 from maru.vllm.records import Namespace, differing_fields, last_active, namespaces
 
-FROM_VLLM = ("model", "dtype", "kv_dtype", "block_size", "tp_size", "hash_algorithm",
-             "hash_seed", "hash_seed_shared")
+FROM_VLLM = (
+    "model",
+    "dtype",
+    "kv_dtype",
+    "block_size",
+    "tp_size",
+    "hash_algorithm",
+    "hash_seed",
+    "hash_seed_shared",
+)
 """Record fields only the vLLM configuration decides."""
 LAYOUT_NOTE = "known once an engine has allocated its KV cache"
 
@@ -93,11 +101,19 @@ def report(diagnosis: Diagnosis) -> dict[str, Any]:
         "not_compared": expectation.not_compared,
         "hash_seed_advice": expectation.advice,
         "namespaces": [
-            {"name": ns.name, "objects": ns.objects, "active": ns.record.get("active"),
-             "layout": ns.record.get("layout"), "shares": not differs,
-             "differs": {name: {"here": ours, "there": theirs}
-                         for name, (ours, theirs) in differs.items()}}
-            for ns, differs in diagnosis.peers],
+            {
+                "name": ns.name,
+                "objects": ns.objects,
+                "active": ns.record.get("active"),
+                "layout": ns.record.get("layout"),
+                "shares": not differs,
+                "differs": {
+                    name: {"here": ours, "there": theirs}
+                    for name, (ours, theirs) in differs.items()
+                },
+            }
+            for ns, differs in diagnosis.peers
+        ],
         "without_record": [ns.name for ns in diagnosis.unrecorded],
         "shares_with": [ns.name for ns in diagnosis.shares_with],
     }
@@ -106,8 +122,10 @@ def report(diagnosis: Diagnosis) -> dict[str, Any]:
 def format_diagnosis(diagnosis: Diagnosis) -> str:
     """The diagnosis for people: this instance, each namespace, and the verdict."""
     expectation = diagnosis.expectation
-    lines = ["this instance: " + ", ".join(f"{name} {value}" for name, value
-                                           in sorted(expectation.record.items()))]
+    lines = [
+        "this instance: "
+        + ", ".join(f"{name} {value}" for name, value in sorted(expectation.record.items()))
+    ]
     reasons: dict[str, list[str]] = {}
     for name, why in sorted(expectation.not_compared.items()):
         reasons.setdefault(why, []).append(name)
@@ -115,16 +133,25 @@ def format_diagnosis(diagnosis: Diagnosis) -> str:
     if expectation.advice:
         lines.append(f"block hashes differ in every process here: {expectation.advice}")
     for namespace, differs in diagnosis.peers:
-        head = f"{namespace.name}: {namespace.objects} objects, last active " \
-               f"{last_active(namespace.record)}"
+        head = (
+            f"{namespace.name}: {namespace.objects} objects, last active "
+            f"{last_active(namespace.record)}"
+        )
         if differs:
-            lines.append(f"{head}: would not share: " + "; ".join(
-                f"{name} is {ours!r} here, {theirs!r} there"
-                for name, (ours, theirs) in differs.items()))
+            lines.append(
+                f"{head}: would not share: "
+                + "; ".join(
+                    f"{name} is {ours!r} here, {theirs!r} there"
+                    for name, (ours, theirs) in differs.items()
+                )
+            )
         else:
             lines.append(f"{head}: would share (layout there: {namespace.record.get('layout')})")
-    lines.extend(f"{ns.name}: {ns.objects} objects, no record (written by a maru that keeps "
-                 "none): cannot say" for ns in diagnosis.unrecorded)
+    lines.extend(
+        f"{ns.name}: {ns.objects} objects, no record (written by a maru that keeps "
+        "none): cannot say"
+        for ns in diagnosis.unrecorded
+    )
     lines.append(_verdict(diagnosis))
     return "\n".join(lines)
 
@@ -132,8 +159,9 @@ def format_diagnosis(diagnosis: Diagnosis) -> str:
 def _verdict(diagnosis: Diagnosis) -> str:
     sharing = diagnosis.shares_with
     if sharing:
-        return "=> would share with " + ", ".join(f"{ns.name} ({ns.objects} objects)"
-                                                 for ns in sharing)
+        return "=> would share with " + ", ".join(
+            f"{ns.name} ({ns.objects} objects)" for ns in sharing
+        )
     if not diagnosis.peers:
         return "=> the store holds no namespace records yet: nothing to share with"
     return f"=> would share with none of the {len(diagnosis.peers)} namespaces in the store"
@@ -147,17 +175,21 @@ def cmd_doctor(args: argparse.Namespace) -> Result:
     with open_existing(expectation.config) as store:
         diagnosis = diagnose(store, expectation)
     shares = bool(diagnosis.shares_with) or not diagnosis.peers
-    return Result(report(diagnosis), format_diagnosis(diagnosis),
-                  EXIT_OK if shares else EXIT_FAILURE)
+    return Result(
+        report(diagnosis), format_diagnosis(diagnosis), EXIT_OK if shares else EXIT_FAILURE
+    )
 
 
 def register(commands: Any, common: argparse.ArgumentParser) -> None:
     """`maru doctor [--config F] [-- vllm serve MODEL ...]`."""
     doctor = commands.add_parser(
-        "doctor", parents=[common], help="would an instance share what the store holds?",
+        "doctor",
+        parents=[common],
+        help="would an instance share what the store holds?",
         description="Compare the namespace an instance would use with those in the store "
         "and say which field keeps them apart. Give the instance's vLLM command line "
-        "after -- to compare everything but the layout (else only maru's own fields).")
+        "after -- to compare everything but the layout (else only maru's own fields).",
+    )
     add_config_option(doctor)
     doctor.add_argument("vllm_command", nargs=argparse.REMAINDER, metavar="-- vllm serve ...")
     doctor.set_defaults(run=cmd_doctor)

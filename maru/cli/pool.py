@@ -48,8 +48,10 @@ def cmd_pool(args: argparse.Namespace) -> Result:
         try:
             return _pool_action(store, args, prefix)
         except UnsupportedOperationError as exc:
-            raise ConfigError(f"backend = {store.name!r}: maru pool {args.action} "
-                              f"needs an operation it lacks: {exc}") from None
+            raise ConfigError(
+                f"backend = {store.name!r}: maru pool {args.action} "
+                f"needs an operation it lacks: {exc}"
+            ) from None
 
 
 def _pool_action(store: Any, args: argparse.Namespace, prefix: bytes | None) -> Result:
@@ -60,9 +62,10 @@ def _pool_action(store: Any, args: argparse.Namespace, prefix: bytes | None) -> 
         return Result({"destroyed": label}, f"destroyed {label}")
     if prefix is not None:
         removed = store.delete_prefix(prefix)
-        return Result({"removed": removed, "namespace": args.namespace},
-                      f"removed {removed} objects of namespace {args.namespace!r} "
-                      f"from {store.label}")
+        return Result(
+            {"removed": removed, "namespace": args.namespace},
+            f"removed {removed} objects of namespace {args.namespace!r} from {store.label}",
+        )
     if args.action == "clear":
         removed = store.clear()
         return Result({"removed": removed}, f"removed {removed} objects from {store.label}")
@@ -79,6 +82,7 @@ def _pool_action(store: Any, args: argparse.Namespace, prefix: bytes | None) -> 
 def _populated(store: Any) -> dict[str, Any]:
     """Wait for the new store's memory to be populated (a progress line on stderr); what
     the memory got, e.g. huge pages or not, populated or not."""
+
     def progress(done: int, total: int) -> None:
         line = f"populating: {format_size(done)} of {format_size(total)}"
         print(line, file=sys.stderr, flush=True)
@@ -107,11 +111,13 @@ def watch_line(report: dict[str, Any], rates: dict[str, float]) -> str:
     second, and the hit bandwidth estimated from the mean object size."""
     mean_object = report["used"] / report["objects"] if report["objects"] else 0
     bandwidth = rates["hits"] * mean_object / 1e9
-    return (f"{time.strftime('%H:%M:%S')}  used {format_size(report['used'])} of "
-            f"{format_size(report['capacity'])}  objects {report['objects']}  "
-            f"hits {report['hits']} ({rates['hits']:.1f}/s, ~{bandwidth:.2f} GB/s)  "
-            f"misses {report['misses']} ({rates['misses']:.1f}/s)  "
-            f"evictions {report['evictions']} ({rates['evictions']:.1f}/s)")
+    return (
+        f"{time.strftime('%H:%M:%S')}  used {format_size(report['used'])} of "
+        f"{format_size(report['capacity'])}  objects {report['objects']}  "
+        f"hits {report['hits']} ({rates['hits']:.1f}/s, ~{bandwidth:.2f} GB/s)  "
+        f"misses {report['misses']} ({rates['misses']:.1f}/s)  "
+        f"evictions {report['evictions']} ({rates['evictions']:.1f}/s)"
+    )
 
 
 def _watch(store: Any, args: argparse.Namespace) -> Result:
@@ -124,15 +130,18 @@ def _watch(store: Any, args: argparse.Namespace) -> Result:
             time.sleep(args.watch)
         report = _pool_report(store) | {"time": time.time()}
         elapsed = report["time"] - previous["time"] if previous else 0
-        rates = {f"{name}_per_s": (report[name] - previous[name]) / elapsed if elapsed else 0.0
-                 for name in RATES}
+        rates = {
+            f"{name}_per_s": (report[name] - previous[name]) / elapsed if elapsed else 0.0
+            for name in RATES
+        }
         previous = report
         if args.json:
             print(json.dumps(report | rates), flush=True)
         else:
             line = watch_line(report, {name: rates[f"{name}_per_s"] for name in RATES})
-            print(f"\x1b[2K\r{line}" if in_place else line, end="" if in_place else "\n",
-                  flush=True)
+            print(
+                f"\x1b[2K\r{line}" if in_place else line, end="" if in_place else "\n", flush=True
+            )
         shown += 1
     if in_place:
         print()
@@ -141,12 +150,16 @@ def _watch(store: Any, args: argparse.Namespace) -> Result:
 
 def register(commands: Any, common: argparse.ArgumentParser) -> None:
     """`maru pool ACTION`."""
-    pool = commands.add_parser("pool", parents=[common],
-                               help="create, inspect, clear or destroy the configured store")
+    pool = commands.add_parser(
+        "pool", parents=[common], help="create, inspect, clear or destroy the configured store"
+    )
     pool.add_argument("action", choices=ACTIONS)
     add_config_option(pool)
     pool.add_argument("--watch", type=float, metavar="SECONDS", help="stats: refresh every N s")
     pool.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N")
-    pool.add_argument("--namespace", metavar="NAME",
-                      help="clear: only this namespace ('default' or 'default/DIGEST')")
+    pool.add_argument(
+        "--namespace",
+        metavar="NAME",
+        help="clear: only this namespace ('default' or 'default/DIGEST')",
+    )
     pool.set_defaults(run=cmd_pool)

@@ -36,9 +36,11 @@ def vllm_config_from_command(command: list[str]) -> Any:
     try:
         parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
     except Exception as exc:  # e.g. a CUDA build of vLLM on a machine without a GPU
-        raise MaruError(f"vLLM {vllm_version()} cannot build its configuration on this "
-                        f"machine ({type(exc).__name__}: {exc}); run maru doctor where the "
-                        "instance runs") from exc
+        raise MaruError(
+            f"vLLM {vllm_version()} cannot build its configuration on this "
+            f"machine ({type(exc).__name__}: {exc}); run maru doctor where the "
+            "instance runs"
+        ) from exc
     parser.add_argument("model_tag", nargs="?")
     parser.error = _command_line_error  # type: ignore[method-assign]
     args = parser.parse_args(words)
@@ -50,8 +52,9 @@ def vllm_config_from_command(command: list[str]) -> Any:
     try:
         return engine_args.create_engine_config()
     except Exception as exc:
-        raise ConfigError(f"vLLM command line {' '.join(command)!r}: vLLM says: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"vLLM command line {' '.join(command)!r}: vLLM says: {type(exc).__name__}: {exc}"
+        ) from exc
     finally:
         logging.disable(disabled)
 

@@ -54,8 +54,9 @@ def missing_hooks() -> list[str]:
     """What this vLLM release cannot ask of a connector, in words."""
     missing = [what for hook, what in OPTIONAL_HOOKS.items() if not has_hook(hook)]
     if CacheHitSource is None:
-        missing.append("hit counts by source (loaded tokens count as external prefix-cache "
-                       "hits only)")
+        missing.append(
+            "hit counts by source (loaded tokens count as external prefix-cache hits only)"
+        )
     return missing
 
 
@@ -63,8 +64,11 @@ def say_what_this_release_lacks() -> None:
     """Say once, at start-up, which optional hooks this vLLM lacks: the connector runs
     without them, and no KV is lost."""
     if missing := missing_hooks():
-        log.info("maru: vLLM %s lacks %s; loads and saves work as ever, nothing is lost",
-                 vllm_version(), "; ".join(missing))
+        log.info(
+            "maru: vLLM %s lacks %s; loads and saves work as ever, nothing is lost",
+            vllm_version(),
+            "; ".join(missing),
+        )
 
 
 HIT_SOURCES = {"host": "HOST", "disk": "DISK"}
@@ -83,8 +87,10 @@ def recompute_failed_loads(vllm_config: Any) -> None:
     """A best-effort cache must never fail a request: have vLLM recompute failed loads."""
     transfer = vllm_config.kv_transfer_config
     if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
-        log.info("maru: setting kv_load_failure_policy to 'recompute' (a failed load from a "
-                 "cache is recomputed, never an error)")
+        log.info(
+            "maru: setting kv_load_failure_policy to 'recompute' (a failed load from a "
+            "cache is recomputed, never an error)"
+        )
         transfer.kv_load_failure_policy = "recompute"
 
 

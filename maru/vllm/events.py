@@ -40,8 +40,9 @@ class StoreEvents:
     """Tracks the chunks this instance saved, from plan to commit to removal, and turns
     each change into a vLLM KV event (scheduler half, one step at a time)."""
 
-    def __init__(self, medium: str, block_size: int,
-                 shares: Callable[[bytes], list[bytes]]) -> None:
+    def __init__(
+        self, medium: str, block_size: int, shares: Callable[[bytes], list[bytes]]
+    ) -> None:
         self.medium = medium
         self.block_size = block_size
         self._shares = shares
@@ -86,11 +87,15 @@ class StoreEvents:
             self._verified_at = time.monotonic()
             candidates = list(self._announced)
         else:
-            candidates = list(dict.fromkeys(self._by_digest[d] for d in removals.digests
-                                            if d in self._by_digest))
+            candidates = list(
+                dict.fromkeys(self._by_digest[d] for d in removals.digests if d in self._by_digest)
+            )
         # an object may have been stored again since it was logged as removed
-        return [key for key, held in zip(candidates, self._held(store, candidates),
-                                         strict=True) if not held]
+        return [
+            key
+            for key, held in zip(candidates, self._held(store, candidates), strict=True)
+            if not held
+        ]
 
     def _stored(self, store: Backend) -> list[Any]:
         """`BlockStored` for each planned chunk the store now holds."""
@@ -126,8 +131,7 @@ class StoreEvents:
             return []
         from vllm.distributed.kv_events import BlockRemoved
 
-        return [BlockRemoved(block_hashes=[external_hash(h) for h in hashes],
-                             medium=self.medium)]
+        return [BlockRemoved(block_hashes=[external_hash(h) for h in hashes], medium=self.medium)]
 
     def _stored_event(self, chunk: Chunk) -> Any:
         from vllm.distributed.kv_events import BlockStored
@@ -136,12 +140,17 @@ class StoreEvents:
         return BlockStored(
             block_hashes=[external_hash(h) for h in chunk.block_hashes],
             parent_block_hash=external_hash(parent) if parent is not None else None,
-            token_ids=chunk.token_ids, block_size=self.block_size,
-            lora_id=chunk.lora_id, medium=self.medium, lora_name=chunk.lora_name)
+            token_ids=chunk.token_ids,
+            block_size=self.block_size,
+            lora_id=chunk.lora_id,
+            medium=self.medium,
+            lora_name=chunk.lora_name,
+        )
 
 
-def chunks_held(store: Backend, keys: list[bytes],
-                shares: Callable[[bytes], list[bytes]]) -> list[bool]:
+def chunks_held(
+    store: Backend, keys: list[bytes], shares: Callable[[bytes], list[bytes]]
+) -> list[bool]:
     """Per chunk key: does the store hold every one of its shares (one per tensor-parallel
     rank)? One `contains` for all of them."""
     if not keys:
@@ -169,6 +178,7 @@ def request_chunk(request: Any, chunk: int, blocks_per_chunk: int, block_size: i
         req_id=request.request_id,
         block_hashes=[bytes(h) for h in hashes[first:end]],
         parent_block_hash=bytes(hashes[first - 1]) if first else None,
-        token_ids=list(request.all_token_ids[first * block_size:end * block_size]),
+        token_ids=list(request.all_token_ids[first * block_size : end * block_size]),
         lora_id=lora.lora_int_id if lora else None,
-        lora_name=lora.lora_name if lora else None)
+        lora_name=lora.lora_name if lora else None,
+    )

@@ -45,11 +45,17 @@ class StoreGuard:
     def failed(self, exc: BaseException) -> None:
         """Note an error: skip the store for `error_backoff` seconds, or for good if permanent."""
         if isinstance(exc, PERMANENT_ERRORS):
-            self.disable(f"the {self.config.backend} store cannot work as configured: "
-                         f"{type(exc).__name__}: {exc}")
+            self.disable(
+                f"the {self.config.backend} store cannot work as configured: "
+                f"{type(exc).__name__}: {exc}"
+            )
             return
-        log.warning("maru store error, skipping it for %.0f s: %s: %s",
-                    self.config.error_backoff, type(exc).__name__, exc)
+        log.warning(
+            "maru store error, skipping it for %.0f s: %s: %s",
+            self.config.error_backoff,
+            type(exc).__name__,
+            exc,
+        )
         self._retry_at = time.monotonic() + self.config.error_backoff
         self.stats.add(SKIPPED_SECONDS, self.config.error_backoff)
 
@@ -57,8 +63,12 @@ class StoreGuard:
         """Stop using the store until restart, saying why once."""
         if not self.disabled:
             self.disabled = True
-            log.error("maru: %s; the connector's %s half is off (vLLM computes everything "
-                      "itself) until restart", reason, self.half)
+            log.error(
+                "maru: %s; the connector's %s half is off (vLLM computes everything "
+                "itself) until restart",
+                reason,
+                self.half,
+            )
 
     def close(self) -> None:
         if self._store is not None:

@@ -81,8 +81,7 @@ def hub_snapshot(model: str, revision: str | None) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
-def kv_identity(vllm_config: Any, config: MaruConfig, layout: str,
-                model_id: str) -> dict[str, Any]:
+def kv_identity(vllm_config: Any, config: MaruConfig, layout: str, model_id: str) -> dict[str, Any]:
     """Everything besides the token hashes that changes the bytes of a chunk; the model
     by what identifies its weights (`model_identity`), not by its path.
 
@@ -92,8 +91,11 @@ def kv_identity(vllm_config: Any, config: MaruConfig, layout: str,
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     return {
-        "model": model_id, "dtype": str(model.dtype),
-        "kv_dtype": str(cache.cache_dtype), "layout": layout, "block_size": cache.block_size,
+        "model": model_id,
+        "dtype": str(model.dtype),
+        "kv_dtype": str(cache.cache_dtype),
+        "layout": layout,
+        "block_size": cache.block_size,
         "chunk_tokens": config.chunk_tokens,
         "tp_size": vllm_config.parallel_config.tensor_parallel_size,
         "hash_algorithm": getattr(cache, "prefix_caching_hash_algo", "unknown"),
@@ -101,12 +103,16 @@ def kv_identity(vllm_config: Any, config: MaruConfig, layout: str,
     }
 
 
-def namespace_record(vllm_config: Any, config: MaruConfig,
-                     identity: dict[str, Any]) -> dict[str, Any]:
+def namespace_record(
+    vllm_config: Any, config: MaruConfig, identity: dict[str, Any]
+) -> dict[str, Any]:
     """A namespace's record (`maru.vllm.records`): its identity, its tenant, whether its
     block-hash seed is the same in every process, and the vLLM release."""
-    return identity | {"vllm": vllm_version(), "namespace": config.namespace,
-                       "hash_seed_shared": hash_seed_advice(vllm_config) is None}
+    return identity | {
+        "vllm": vllm_version(),
+        "namespace": config.namespace,
+        "hash_seed_shared": hash_seed_advice(vllm_config) is None,
+    }
 
 
 def none_hash_hex() -> str:
@@ -125,8 +131,10 @@ def hash_seed_advice(vllm_config: Any) -> str | None:
     algorithm = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
     version = release()
     if version is not None and version < (0, 29):
-        return ("set PYTHONHASHSEED to one value everywhere (before vLLM 0.29 every "
-                "algorithm takes its seed from it)")
+        return (
+            "set PYTHONHASHSEED to one value everywhere (before vLLM 0.29 every "
+            "algorithm takes its seed from it)"
+        )
     if algorithm.startswith("xxhash"):
         return "set PYTHONHASHSEED to one value everywhere, or use a sha256 algorithm"
     return None
@@ -138,6 +146,10 @@ def warn_if_hash_seed_is_per_process(vllm_config: Any) -> None:
     if advice is None:
         return
     algorithm = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
-    log.warning("maru: vLLM's block-hash seed is random per process here (hash %s, vLLM %s, "
-                "no PYTHONHASHSEED), so other instances can never hit this one's chunks; %s",
-                algorithm, vllm_version(), advice)
+    log.warning(
+        "maru: vLLM's block-hash seed is random per process here (hash %s, vLLM %s, "
+        "no PYTHONHASHSEED), so other instances can never hit this one's chunks; %s",
+        algorithm,
+        vllm_version(),
+        advice,
+    )

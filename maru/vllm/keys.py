@@ -113,7 +113,7 @@ def parse_key(key: bytes) -> ParsedKey | None:
     """The parts of a key this schema built; None for any other key."""
     if not key.startswith(ROOT):
         return None
-    tenant, _, rest = key[len(ROOT):].partition(b"/")
+    tenant, _, rest = key[len(ROOT) :].partition(b"/")
     digest, slash, name = rest.partition(b"/")
     if not (tenant and slash and name) or len(digest) != DIGEST_CHARS:
         return None
@@ -132,6 +132,8 @@ def selection_prefix(namespace: str) -> bytes:
     (`default/DIGEST`, as `maru pool namespaces` lists it)."""
     parts = namespace.split("/")
     if not all(parts) or len(parts) > 2:
-        raise ConfigError(f"--namespace = {namespace!r}: allowed: a config namespace such as "
-                          "'default', or 'NAMESPACE/DIGEST' for one model's keys in it")
+        raise ConfigError(
+            f"--namespace = {namespace!r}: allowed: a config namespace such as "
+            "'default', or 'NAMESPACE/DIGEST' for one model's keys in it"
+        )
     return ROOT + f"{namespace}/".encode()

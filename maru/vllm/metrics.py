@@ -17,10 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from maru.vllm.stats import Stat, of_kind
 
 ERRORS_METRIC = "vllm:maru_errors"
-ERRORS_HELP = ("Store errors by kind (lookup, load, save); each is a miss or a recompute, "
-               "never a wrong token.")
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                   2.5, 5.0)
+ERRORS_HELP = (
+    "Store errors by kind (lookup, load, save); each is a miss or a recompute, never a wrong token."
+)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 COUNTERS = tuple(stat for stat in of_kind("counter") if stat.metric)
 ERRORS = of_kind("error")
 LATENCIES = of_kind("latency")
@@ -30,13 +30,20 @@ GAUGES = of_kind("gauge")
 class MaruPromMetrics(KVConnectorPromMetrics):
     """Counters, latency histograms and store gauges, one labelled child per engine."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        metrics = {stat: self._metric(stat, labelnames) for stat in (*COUNTERS, *LATENCIES,
-                                                                      *GAUGES)}
-        errors = self._counter_cls(name=ERRORS_METRIC, documentation=ERRORS_HELP,
-                                   labelnames=[*labelnames, "kind"])
+        metrics = {
+            stat: self._metric(stat, labelnames) for stat in (*COUNTERS, *LATENCIES, *GAUGES)
+        }
+        errors = self._counter_cls(
+            name=ERRORS_METRIC, documentation=ERRORS_HELP, labelnames=[*labelnames, "kind"]
+        )
         self._children: dict[tuple[int, str], Any] = {}
         for engine, values in per_engine_labelvalues.items():
             for stat, metric in metrics.items():
@@ -46,13 +53,20 @@ class MaruPromMetrics(KVConnectorPromMetrics):
 
     def _metric(self, stat: Stat, labelnames: list[str]) -> Any:
         if stat.kind == "latency":
-            return self._histogram_cls(name=stat.metric, documentation=stat.help,
-                                       labelnames=labelnames, buckets=LATENCY_BUCKETS)
+            return self._histogram_cls(
+                name=stat.metric,
+                documentation=stat.help,
+                labelnames=labelnames,
+                buckets=LATENCY_BUCKETS,
+            )
         if stat.kind == "gauge":
-            return self._gauge_cls(name=stat.metric, documentation=stat.help,
-                                   labelnames=labelnames, multiprocess_mode="mostrecent")
-        return self._counter_cls(name=stat.metric, documentation=stat.help,
-                                 labelnames=labelnames)
+            return self._gauge_cls(
+                name=stat.metric,
+                documentation=stat.help,
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+        return self._counter_cls(name=stat.metric, documentation=stat.help, labelnames=labelnames)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for stat in (*COUNTERS, *ERRORS):

@@ -32,8 +32,11 @@ def write_record(store: Backend, prefix: bytes, record: dict[str, Any]) -> None:
 def differing_fields(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, tuple]:
     """Fields that keep two namespaces apart: name -> (ours, theirs)."""
     names = (ours.keys() | theirs.keys()) - NOT_COMPARED
-    return {name: (ours.get(name), theirs.get(name)) for name in sorted(names)
-            if ours.get(name) != theirs.get(name)}
+    return {
+        name: (ours.get(name), theirs.get(name))
+        for name in sorted(names)
+        if ours.get(name) != theirs.get(name)
+    }
 
 
 @dataclass
@@ -59,8 +62,10 @@ def namespaces(store: Backend, other_than: str | None = None) -> list[Namespace]
             records[parsed.namespace] = decode_record(store.get(key))
         else:
             counts[parsed.namespace] += 1
-    found = [Namespace(name, counts[name], records.get(name, {}))
-             for name in counts.keys() | records.keys()]
+    found = [
+        Namespace(name, counts[name], records.get(name, {}))
+        for name in counts.keys() | records.keys()
+    ]
     return sorted(found, key=lambda ns: (-ns.objects, ns.name))
 
 

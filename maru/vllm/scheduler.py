@@ -152,8 +152,12 @@ class MaruScheduler:
             log.debug("maru: store stats unavailable: %s", exc)
             return
         if figures is not None:
-            self._gauges = {STORE_CAPACITY: figures.capacity, STORE_USED: figures.used,
-                            STORE_OBJECTS: figures.objects, STORE_EVICTIONS: figures.evictions}
+            self._gauges = {
+                STORE_CAPACITY: figures.capacity,
+                STORE_USED: figures.used,
+                STORE_OBJECTS: figures.objects,
+                STORE_EVICTIONS: figures.evictions,
+            }
 
     def set_layout(self, fingerprints: set[str]) -> None:
         """Take the workers' layout fingerprint into the namespace; stop looking up
@@ -205,19 +209,27 @@ class MaruScheduler:
             if peer.record.get("model") != record["model"]:
                 continue
             fields = differing_fields(record, peer.record)
-            log.warning("maru: this instance will not share with namespace %s (%d objects, "
-                        "same model): %s", peer.name, peer.objects,
-                        "; ".join(f"{field} is {ours!r} here, {theirs!r} there"
-                                  for field, (ours, theirs) in fields.items()))
+            log.warning(
+                "maru: this instance will not share with namespace %s (%d objects, same model): %s",
+                peer.name,
+                peer.objects,
+                "; ".join(
+                    f"{field} is {ours!r} here, {theirs!r} there"
+                    for field, (ours, theirs) in fields.items()
+                ),
+            )
 
     def chunk_keys(self, request: Any) -> list[bytes]:
         """One key per whole prompt chunk: the hash of its last block (hashes are chained)."""
         hashes = request.block_hashes
-        count = min(len(hashes) // self.blocks_per_chunk,
-                    request.num_prompt_tokens // self.chunk_tokens)
+        count = min(
+            len(hashes) // self.blocks_per_chunk, request.num_prompt_tokens // self.chunk_tokens
+        )
         prefix = self.key_prefix()
-        return [keys.chunk_key(prefix, hashes[(c + 1) * self.blocks_per_chunk - 1])
-                for c in range(count)]
+        return [
+            keys.chunk_key(prefix, hashes[(c + 1) * self.blocks_per_chunk - 1])
+            for c in range(count)
+        ]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond `num_computed_tokens` that can be loaded from the store.
@@ -232,8 +244,9 @@ class MaruScheduler:
         stored = self._stored(chunk_keys)
         if stored is None:  # no answer: take vLLM's own chunks as stored, save the rest
             stored = [chunk < local for chunk in range(len(chunk_keys))]
-        self.requests[request.request_id] = RequestState(request, chunk_keys, stored,
-                                                         local_tokens=num_computed_tokens)
+        self.requests[request.request_id] = RequestState(
+            request, chunk_keys, stored, local_tokens=num_computed_tokens
+        )
         hit_chunks = local
         while hit_chunks < len(chunk_keys) and stored[hit_chunks]:
             hit_chunks += 1
@@ -263,8 +276,9 @@ class MaruScheduler:
         """A chunk key's objects in the store: one per tensor-parallel rank."""
         return [keys.rank_key(key, rank) for rank in range(self.tp_size)]
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """Plan the loads of the external tokens into the allocated blocks."""
         state = self.requests.get(request.request_id)
         if state is None:
@@ -276,17 +290,24 @@ class MaruScheduler:
         self.stats.add(HIT_TOKENS, num_external_tokens)
         first_block = state.local_tokens // self.block_size
         end_block = -(-(state.local_tokens + num_external_tokens) // self.block_size)
-        for chunk in range(first_block // self.blocks_per_chunk,
-                           -(-end_block // self.blocks_per_chunk)):
+        for chunk in range(
+            first_block // self.blocks_per_chunk, -(-end_block // self.blocks_per_chunk)
+        ):
             start = max(first_block, chunk * self.blocks_per_chunk)
             stop = min(end_block, (chunk + 1) * self.blocks_per_chunk)
-            state.loads.append(ChunkTransfer(state.keys[chunk], state.block_ids[start:stop],
-                                             start - chunk * self.blocks_per_chunk))
+            state.loads.append(
+                ChunkTransfer(
+                    state.keys[chunk],
+                    state.block_ids[start:stop],
+                    start - chunk * self.blocks_per_chunk,
+                )
+            )
 
     def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
         """This step's loads and the saves of every chunk that completes in it."""
         meta = MaruConnectorMetadata(
-            preempted=bool(getattr(scheduler_output, "preempted_req_ids", None)))
+            preempted=bool(getattr(scheduler_output, "preempted_req_ids", None))
+        )
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
@@ -312,14 +333,16 @@ class MaruScheduler:
         complete = min(computed // self.chunk_tokens, len(state.keys))
         k = self.blocks_per_chunk
         for chunk in range(state.planned_chunks, complete):
-            block_ids = state.block_ids[chunk * k:(chunk + 1) * k]
+            block_ids = state.block_ids[chunk * k : (chunk + 1) * k]
             if not state.stored[chunk] and len(block_ids) == k:
-                meta.saves.append(ChunkTransfer(state.keys[chunk], block_ids,
-                                                req_id=state.request.request_id))
+                meta.saves.append(
+                    ChunkTransfer(state.keys[chunk], block_ids, req_id=state.request.request_id)
+                )
                 state.saving = True
                 if self.events is not None:
-                    self.events.planned(state.keys[chunk], request_chunk(
-                        state.request, chunk, k, self.block_size))
+                    self.events.planned(
+                        state.keys[chunk], request_chunk(state.request, chunk, k, self.block_size)
+                    )
         state.planned_chunks = max(state.planned_chunks, complete)
 
     def saves_settled(self, req_ids: set[str]) -> None:
@@ -338,8 +361,7 @@ class MaruScheduler:
         self.store.close()
 
 
-def store_events(vllm_config: Any, config: MaruConfig,
-                 shares: Any) -> StoreEvents | None:
+def store_events(vllm_config: Any, config: MaruConfig, shares: Any) -> StoreEvents | None:
     """The KV-event tracker, where vLLM publishes KV events and lets connectors add to
     them; None (and nothing tracked) otherwise."""
     events_config = getattr(vllm_config, "kv_events_config", None)

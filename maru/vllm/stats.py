@@ -31,54 +31,97 @@ class Stat:
     """Prometheus name (errors: the `kind` label of vllm:maru_errors); None: not exported."""
 
 
-LOOKUPS = Stat("lookups", "counter", "Store lookups (one batched lookup per request).",
-               "vllm:maru_lookups")
-HIT_TOKENS = Stat("hit_tokens", "counter", "Prompt tokens loaded from the store.",
-                  "vllm:maru_hit_tokens")
-MISS_TOKENS = Stat("miss_tokens", "counter",
-                   "Whole-chunk prompt tokens the store was asked for and lacked.",
-                   "vllm:maru_miss_tokens")
-LOADS = Stat("loads", "counter", "Chunks loaded (per tensor-parallel rank).",
-             "vllm:maru_chunks_loaded")
-SAVES = Stat("saves", "counter", "Chunks saved (per tensor-parallel rank).",
-             "vllm:maru_chunks_saved")
-LOADED_BYTES = Stat("loaded_bytes", "counter", "Bytes copied from the store.",
-                    "vllm:maru_loaded_bytes")
-SAVED_BYTES = Stat("saved_bytes", "counter", "Bytes copied into the store.",
-                   "vllm:maru_saved_bytes")
-SKIPPED_SECONDS = Stat("skipped_seconds", "counter",
-                       "Seconds the store was skipped after errors (error_backoff).",
-                       "vllm:maru_store_skipped_seconds")
-LOAD_SECONDS = Stat("load_seconds", "counter",
-                    "Seconds the worker spent in maru's load calls (issuing copies, and on "
-                    "the CPU making them; waiting for them).")
-SAVE_SECONDS = Stat("save_seconds", "counter",
-                    "Seconds the worker spent in maru's save calls (issuing copies, waiting "
-                    "for them, committing).")
+LOOKUPS = Stat(
+    "lookups", "counter", "Store lookups (one batched lookup per request).", "vllm:maru_lookups"
+)
+HIT_TOKENS = Stat(
+    "hit_tokens", "counter", "Prompt tokens loaded from the store.", "vllm:maru_hit_tokens"
+)
+MISS_TOKENS = Stat(
+    "miss_tokens",
+    "counter",
+    "Whole-chunk prompt tokens the store was asked for and lacked.",
+    "vllm:maru_miss_tokens",
+)
+LOADS = Stat(
+    "loads", "counter", "Chunks loaded (per tensor-parallel rank).", "vllm:maru_chunks_loaded"
+)
+SAVES = Stat(
+    "saves", "counter", "Chunks saved (per tensor-parallel rank).", "vllm:maru_chunks_saved"
+)
+LOADED_BYTES = Stat(
+    "loaded_bytes", "counter", "Bytes copied from the store.", "vllm:maru_loaded_bytes"
+)
+SAVED_BYTES = Stat(
+    "saved_bytes", "counter", "Bytes copied into the store.", "vllm:maru_saved_bytes"
+)
+SKIPPED_SECONDS = Stat(
+    "skipped_seconds",
+    "counter",
+    "Seconds the store was skipped after errors (error_backoff).",
+    "vllm:maru_store_skipped_seconds",
+)
+LOAD_SECONDS = Stat(
+    "load_seconds",
+    "counter",
+    "Seconds the worker spent in maru's load calls (issuing copies, and on "
+    "the CPU making them; waiting for them).",
+)
+SAVE_SECONDS = Stat(
+    "save_seconds",
+    "counter",
+    "Seconds the worker spent in maru's save calls (issuing copies, waiting for them, committing).",
+)
 LOOKUP_ERRORS = Stat("lookup_errors", "error", "Lookups that failed (a miss).", "lookup")
 LOAD_ERRORS = Stat("load_errors", "error", "Chunks that failed to load (recomputed).", "load")
-SAVE_ERRORS = Stat("save_errors", "error", "Chunks that failed to save (a future miss).",
-                   "save")
-LOAD_LATENCIES = Stat("load_latencies", "latency",
-                      "Seconds from issuing a chunk's copies to its load being done.",
-                      "vllm:maru_load_seconds")
-SAVE_LATENCIES = Stat("save_latencies", "latency",
-                      "Seconds from a chunk's first copy to its object committed.",
-                      "vllm:maru_save_seconds")
-STORE_CAPACITY = Stat("store_capacity", "gauge", "The store's capacity in bytes.",
-                      "vllm:maru_store_capacity_bytes")
-STORE_USED = Stat("store_used", "gauge", "Bytes the store's objects take.",
-                  "vllm:maru_store_used_bytes")
-STORE_OBJECTS = Stat("store_objects", "gauge", "Objects in the store.",
-                     "vllm:maru_store_objects")
-STORE_EVICTIONS = Stat("store_evictions", "gauge",
-                       "Objects the store has evicted since it was created.",
-                       "vllm:maru_store_evictions")
+SAVE_ERRORS = Stat("save_errors", "error", "Chunks that failed to save (a future miss).", "save")
+LOAD_LATENCIES = Stat(
+    "load_latencies",
+    "latency",
+    "Seconds from issuing a chunk's copies to its load being done.",
+    "vllm:maru_load_seconds",
+)
+SAVE_LATENCIES = Stat(
+    "save_latencies",
+    "latency",
+    "Seconds from a chunk's first copy to its object committed.",
+    "vllm:maru_save_seconds",
+)
+STORE_CAPACITY = Stat(
+    "store_capacity", "gauge", "The store's capacity in bytes.", "vllm:maru_store_capacity_bytes"
+)
+STORE_USED = Stat(
+    "store_used", "gauge", "Bytes the store's objects take.", "vllm:maru_store_used_bytes"
+)
+STORE_OBJECTS = Stat("store_objects", "gauge", "Objects in the store.", "vllm:maru_store_objects")
+STORE_EVICTIONS = Stat(
+    "store_evictions",
+    "gauge",
+    "Objects the store has evicted since it was created.",
+    "vllm:maru_store_evictions",
+)
 
-TABLE = (LOOKUPS, LOOKUP_ERRORS, HIT_TOKENS, MISS_TOKENS, LOADS, LOADED_BYTES, LOAD_SECONDS,
-         LOAD_ERRORS, SAVES, SAVED_BYTES, SAVE_SECONDS, SAVE_ERRORS, SKIPPED_SECONDS,
-         LOAD_LATENCIES, SAVE_LATENCIES, STORE_CAPACITY, STORE_USED, STORE_OBJECTS,
-         STORE_EVICTIONS)
+TABLE = (
+    LOOKUPS,
+    LOOKUP_ERRORS,
+    HIT_TOKENS,
+    MISS_TOKENS,
+    LOADS,
+    LOADED_BYTES,
+    LOAD_SECONDS,
+    LOAD_ERRORS,
+    SAVES,
+    SAVED_BYTES,
+    SAVE_SECONDS,
+    SAVE_ERRORS,
+    SKIPPED_SECONDS,
+    LOAD_LATENCIES,
+    SAVE_LATENCIES,
+    STORE_CAPACITY,
+    STORE_USED,
+    STORE_OBJECTS,
+    STORE_EVICTIONS,
+)
 """Every statistic, in the order logs show them."""
 
 
@@ -144,8 +187,11 @@ class MaruConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {key: round(value, 4) if isinstance(value, float) else value
-                for key, value in self.data.items() if key in COUNTED}
+        return {
+            key: round(value, 4) if isinstance(value, float) else value
+            for key, value in self.data.items()
+            if key in COUNTED
+        }
 
     def is_empty(self) -> bool:
         return not any(self.data.get(key) for key in (*COUNTED, *LATENCIES))

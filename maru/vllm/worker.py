@@ -87,16 +87,23 @@ class PendingSave:
 class MaruWorker:
     """Copies chunks between the store and the KV cache; runs in each vLLM worker."""
 
-    def __init__(self, vllm_config: Any, config: MaruConfig, kv_cache_config: Any,
-                 transfers: DataPathFactory = DataPath) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        config: MaruConfig,
+        kv_cache_config: Any,
+        transfers: DataPathFactory = DataPath,
+    ) -> None:
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self.blocks_per_chunk = config.chunk_tokens // vllm_config.cache_config.block_size
         self.stats = MaruConnectorStats()
         self.store = StoreGuard(config, "worker", self.stats)
         rank, tp_size = tensor_parallel_rank(), vllm_config.parallel_config.tensor_parallel_size
         if rank is None and tp_size > 1:  # guessing 0 would load rank 0's share everywhere
-            self.store.disable(f"this worker's tensor-parallel rank is unknown with "
-                               f"tensor_parallel_size = {tp_size}")
+            self.store.disable(
+                f"this worker's tensor-parallel rank is unknown with "
+                f"tensor_parallel_size = {tp_size}"
+            )
         self.rank = rank or 0
         self._make_transfers = transfers
         self.transfers: DataPath | None = None
@@ -130,9 +137,15 @@ class MaruWorker:
         store = self.store.available()  # at start-up: a new pool is set up here, not in a request
         if self.transfers.on_device and store is not None and store.zero_copy:
             self.pinned = pin(store.host_memory())
-        log.info("maru: KV layout %s (fingerprint %s), %d layers, %d bytes per block, on %s%s",
-                 adapter.name, adapter.fingerprint, len(adapter.layers), adapter.block_bytes,
-                 self.transfers.device, ", store memory page-locked" if self.pinned else "")
+        log.info(
+            "maru: KV layout %s (fingerprint %s), %d layers, %d bytes per block, on %s%s",
+            adapter.name,
+            adapter.fingerprint,
+            len(adapter.layers),
+            adapter.block_bytes,
+            self.transfers.device,
+            ", store memory page-locked" if self.pinned else "",
+        )
 
     def handshake(self) -> MaruHandshake:
         return MaruHandshake(self.fingerprint)
@@ -189,8 +202,9 @@ class MaruWorker:
             if not view.valid():
                 return None
             still_valid = _always
-        copy = ChunkCopy(Blocks(transfer.block_ids), payload, self.blocks_per_chunk,
-                         transfer.first_block)
+        copy = ChunkCopy(
+            Blocks(transfer.block_ids), payload, self.blocks_per_chunk, transfer.first_block
+        )
         return PendingLoad(transfer, copy, still_valid)
 
     def _trusted(self, key: bytes, data: memoryview) -> bool:
@@ -348,8 +362,7 @@ class MaruWorker:
     def close(self) -> None:
         """Commit what is being saved, then close the store."""
         self.commit_copied(wait=True)
-        log.info("maru: worker half (rank %d) since start-up: %s", self.rank,
-                 self.stats.lifetime)
+        log.info("maru: worker half (rank %d) since start-up: %s", self.rank, self.stats.lifetime)
         self.store.close()
 
 

@@ -155,9 +155,7 @@ def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> tuple[Pool, Memory]:
         unlock_region(fd)
 
 
-def _prepare(
-    fd: int, region: mmap.mmap, spec: RegionSpec, *, new: bool, fresh: bool
-) -> Memory:
+def _prepare(fd: int, region: mmap.mmap, spec: RegionSpec, *, new: bool, fresh: bool) -> Memory:
     """`memory.prepare`; a new file that does not fit is removed, leaving nothing behind."""
     try:
         if new and os.fstat(fd).st_nlink == 0:

@@ -346,5 +346,9 @@ def _populate_new(populator: Populator, label: str) -> None:
     started = time.monotonic()
     log.info("populating %s (%s) ...", label, format_size(populator.total))
     populator.run()
-    log.info("populated %s in %.1f s: %s", label, time.monotonic() - started,
-             populator.state if not populator.error else f"{populator.state} ({populator.error})")
+    log.info(
+        "populated %s in %.1f s: %s",
+        label,
+        time.monotonic() - started,
+        populator.state if not populator.error else f"{populator.state} ({populator.error})",
+    )
