@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 from pydantic import (
@@ -66,6 +66,9 @@ class Options(BaseModel):
     """Base for a backend's options section: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    renamed: ClassVar[dict[str, str]] = {}
+    """Keys the section still accepts under an old name, old -> new (its validator
+    warns); `MARU_*` variables may use the old name too."""
 
 
 def installed_backends() -> Backends:
@@ -392,7 +395,9 @@ def _known_path(backends: Backends, path: Path_) -> bool:
     if len(path) == 1:
         return path[0] in MaruConfig.model_fields or path[0] in backends
     model = _model_at(backends, path[:-1])
-    return model is not None and path[-1] in model.model_fields
+    return model is not None and (
+        path[-1] in model.model_fields or path[-1] in getattr(model, "renamed", {})
+    )
 
 
 def _closest_env_name(backends: Backends, path: Path_) -> str:

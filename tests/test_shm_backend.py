@@ -191,3 +191,13 @@ def test_a_reader_that_fell_further_behind_than_the_log_is_told_to_check(pool_na
         assert store.removed_since(latest - pool_format.REMOVAL_LOG_SLOTS).digests == (
             [key_digest(b"k")] * pool_format.REMOVAL_LOG_SLOTS
         )
+
+
+def test_the_old_name_works_from_the_environment_too(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="vllm.maru"):
+        config = maru.load_config(backend="shm", env={"MARU_SHM__MODE": "0660"})
+    assert config.backend_options().file_mode == 0o660
+    assert not any("ignoring environment variable" in r.getMessage() for r in caplog.records)
+    assert deprecation_warnings(caplog) == [
+        "shm.mode is deprecated: it is now shm.file_mode (as in the cxl section)"
+    ]

@@ -59,6 +59,8 @@ class ShmOptions(PoolOptions):
         description="permissions of the shared memory object, e.g. '0660' for a serving group",
     )
 
+    renamed: ClassVar[dict[str, str]] = {"mode": "file_mode"}
+
     @model_validator(mode="before")
     @classmethod
     def _renamed_mode(cls, values: Any) -> Any:
