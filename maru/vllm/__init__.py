@@ -14,7 +14,8 @@ two halves, kept apart as vLLM keeps them apart:
 - `stats` and `metrics`: every statistic in one table, the connector's stats and
   Prometheus metrics made from it;
 - `events`: KV events for routers;
-- `compat`: what differs between vLLM releases.
+- `compat`: what differs between vLLM releases;
+- `command_line`: an instance as a `vllm serve` command line would start it (`maru doctor`).
 
 `keys` and `records` import neither vLLM nor torch (the `maru` command uses them); this
 module imports nothing, so importing one of them costs only that module.
