@@ -42,7 +42,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from maru.errors import ConfigError
 from maru.log import get_logger
-from maru.plugins import get_plugin_manager, options_model
+from maru.plugins import DEFAULT_BACKEND, get_plugin_manager, options_model
 from maru.sizes import Size
 
 ENV_PREFIX = "MARU_"
@@ -139,7 +139,7 @@ class MaruConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    backend: str = Field("shm", description="name of the storage backend")
+    backend: str = Field(DEFAULT_BACKEND, description="name of the storage backend")
     namespace: str = Field(
         "default",
         pattern=r"^[A-Za-z0-9._:-]{1,64}$",

@@ -32,6 +32,8 @@ BUILTIN_PLUGINS = (
     "maru.backends.tiered",
     "maru.layouts",
 )
+DEFAULT_BACKEND = "shm"
+"""The backend a configuration that names none uses: the embedded shared-memory pool."""
 ENTRY_POINT_GROUP = hookspecs.PROJECT_NAME
 
 

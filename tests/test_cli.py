@@ -151,19 +151,8 @@ def test_bench_measures_a_plugin_backend_by_name(capsys, tmp_path) -> None:
     objects = tmp_path / "objects"
     config = tmp_path / "maru.yaml"
     config.write_text(f"dirstore:\n  path: {objects}\n")
-    code, out, err = run_cli(
-        capsys,
-        "bench",
-        "--backend",
-        "dirstore",
-        "--size",
-        "64KiB",
-        "--capacity",
-        "16MiB",
-        "--config",
-        str(config),
-        "--json",
-    )
+    bench = ("bench", "--backend", "dirstore", "--size", "64KiB", "--capacity", "16MiB")
+    code, out, err = run_cli(capsys, *bench, "--config", str(config), "--json")
     assert code == 0, err
     (report,) = json.loads(out)
     assert report["backend"] == "dirstore" and report["first_pass"] is None
@@ -171,18 +160,7 @@ def test_bench_measures_a_plugin_backend_by_name(capsys, tmp_path) -> None:
     assert report["sizes"][0]["put_gbps"] > 0 and report["sizes"][0]["get_into_gbps"] > 0
     assert set(report["latency"]) == {"contains_128_us", "put_4k_us", "get_4k_us"}
     assert [path for path in objects.rglob("*") if path.is_file()] == []
-    code, out, _ = run_cli(
-        capsys,
-        "bench",
-        "--backend",
-        "dirstore",
-        "--size",
-        "64KiB",
-        "--capacity",
-        "16MiB",
-        "--config",
-        str(config),
-    )
+    code, out, _ = run_cli(capsys, *bench, "--config", str(config))
     assert code == 0 and "backend dirstore: throughput in GB/s" in out
     assert "first pass" not in out
 
