@@ -9,6 +9,7 @@ the namespace's record in the store, and follows the store for KV events.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from maru.vllm.stats import (
     STORE_OBJECTS,
     STORE_USED,
     MaruConnectorStats,
+    Stat,
 )
 
 log = get_logger(__name__)
@@ -87,7 +89,7 @@ class MaruScheduler:
         self._config = config
         self._layout = "unknown"
         self._prefix: bytes | None = None
-        self._gauges: dict = {}
+        self._gauges: dict[Stat, int] = {}
         self._record_at = -RECORD_REFRESH_S
         self._gauges_read_at = -GAUGES_REFRESH_S
         self.events = store_events(vllm_config, config, self.shares)
@@ -204,8 +206,8 @@ class MaruScheduler:
             log.debug("maru: namespace record not kept: %s", exc)
 
     def _compare_with_peers(self, store: Backend, record: dict[str, Any]) -> None:
-        ours = keys.parse_key(keys.record_key(self.key_prefix()))
-        for peer in namespaces(store, other_than=ours.namespace):
+        this = keys.parse_key(keys.record_key(self.key_prefix())).namespace
+        for peer in namespaces(store, other_than=this):
             if peer.record.get("model") != record["model"]:
                 continue
             fields = differing_fields(record, peer.record)
@@ -361,7 +363,9 @@ class MaruScheduler:
         self.store.close()
 
 
-def store_events(vllm_config: Any, config: MaruConfig, shares: Any) -> StoreEvents | None:
+def store_events(
+    vllm_config: Any, config: MaruConfig, shares: Callable[[bytes], list[bytes]]
+) -> StoreEvents | None:
     """The KV-event tracker, where vLLM publishes KV events and lets connectors add to
     them; None (and nothing tracked) otherwise."""
     events_config = getattr(vllm_config, "kv_events_config", None)
