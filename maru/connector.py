@@ -55,7 +55,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         self.scheduler_half: MaruScheduler | None = None
         self.worker_half: MaruWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_half = MaruScheduler(vllm_config, self.config)
+            self.scheduler_half = MaruScheduler(vllm_config, self.config, kv_cache_config)
             source = compat.hit_source(self.scheduler_half.medium)
             if source is not None:
                 self._cache_hit_source = source

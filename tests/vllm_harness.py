@@ -66,12 +66,21 @@ def make_vllm_config(
     )
 
 
-def make_kv_cache_config(num_blocks: int) -> Any:
-    """One full-attention group, as the scheduler sees it."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+def make_kv_cache_config(num_blocks: int, sliding_window: int | None = None) -> Any:
+    """One group, as the scheduler sees it: full attention, or with `sliding_window` a
+    sliding-window group (an all-SWA model, Mistral-7B-v0.1 style)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
 
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+    shape = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    spec = (
+        FullAttentionSpec(**shape)
+        if sliding_window is None
+        else SlidingWindowSpec(**shape, sliding_window=sliding_window)
     )
     return KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
@@ -103,6 +112,7 @@ class SchedulerHarness:
         mock: dict[str, Any] | None = None,
         backend: str = "mock",
         kv_events: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -118,7 +128,7 @@ class SchedulerHarness:
             max_batched_tokens=max_batched_tokens,
             kv_events=kv_events,
         )
-        kv_cache_config = make_kv_cache_config(num_blocks)
+        kv_cache_config = make_kv_cache_config(num_blocks, sliding_window)
         self.scheduler = Scheduler(
             vllm_config,
             kv_cache_config,

@@ -19,6 +19,7 @@ from maru.errors import ConfigError, MaruError
 from maru.log import get_logger
 from maru.vllm import compat, keys
 from maru.vllm.events import StoreEvents, chunks_held, request_chunk
+from maru.vllm.groups import unsupported_groups
 from maru.vllm.guard import StoreGuard
 from maru.vllm.identity import (
     kv_identity,
@@ -72,7 +73,7 @@ class RequestState:
 class MaruScheduler:
     """Lookups and load/save plans; runs in vLLM's scheduler."""
 
-    def __init__(self, vllm_config: Any, config: MaruConfig) -> None:
+    def __init__(self, vllm_config: Any, config: MaruConfig, kv_cache_config: Any = None) -> None:
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = config.chunk_tokens
         if self.chunk_tokens % self.block_size:
@@ -99,6 +100,9 @@ class MaruScheduler:
         log.info("maru: model %s is %s in the key namespace", model.model, self.model_identity)
         warn_if_hash_seed_is_per_process(vllm_config)
         compat.say_what_this_release_lacks()
+        unsupported = unsupported_groups(kv_cache_config)
+        if unsupported is not None:
+            self.store.disable(unsupported)
         store = self.store.available()  # at start-up: a new pool is set up here, not in a request
         self.medium = store.medium if store is not None else "remote"
         """Where the store's bytes live (`Backend.medium`), for vLLM's hit sources."""
