@@ -98,7 +98,7 @@ demo: $(STAMP)
 	$(BIN)/maru demo
 
 clean:
-	rm -rf $(VENV) .venv-vllm-* .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm-* .pytest_cache .ruff_cache .import_linter_cache
 
 # The redis benchmark measures a private redis-server that tools/with-redis-server
 # starts on a free loopback port and stops afterwards.
