@@ -6,7 +6,8 @@ whole chunks of one full-attention group. A group that drops blocks (a sliding w
 frees the blocks behind it and hands out the null block in their place) or keeps a
 state instead of pages would make maru save pages it no longer owns and load into the
 null block: another instance would then read wrong KV. So anything else turns the
-connector off with one error naming the group, never a guess.
+connector off with one error naming the group, never a guess. How vLLM handles
+groups, for the support to come: docs/vllm-hybrid-groups.md.
 """
 
 from __future__ import annotations
