@@ -86,3 +86,18 @@ def shared_pool():
     name = unique_name("layers")
     yield {"MARU_SHM__NAME": name, "MARU_CAPACITY": "16MiB"}
     shm_path(name).unlink(missing_ok=True)
+
+
+def test_every_module_logs_under_vllm_maru() -> None:
+    """Inside vLLM, vLLM's log configuration must reach all of maru's lines: every logger
+    comes from maru.log (the tree `vllm.maru.*`), none from logging directly."""
+    import ast
+
+    direct = []
+    for path in sorted((ROOT / "maru").rglob("*.py")):
+        if path.name == "log.py" and path.parent.name == "maru":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "getLogger":
+                direct.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert direct == [], "use maru.log.get_logger(__name__)"

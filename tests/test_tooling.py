@@ -123,6 +123,18 @@ def test_the_makefile_installs_through_the_bootstrap_without_an_extra_index() ->
     assert "download.pytorch.org" not in commands
 
 
+def test_make_check_and_make_test_check_style_formatting_and_the_layers() -> None:
+    for target in ("check", "test"):
+        commands = make_dry_run(target).splitlines()
+        linted = [line for line in commands if "ruff" in line or "lint-imports" in line]
+        assert [line.split()[0].rsplit("/", 1)[-1] for line in linted] == [
+            "ruff",
+            "ruff",
+            "lint-imports",
+        ], target
+        assert "format --check" in linted[1], target
+
+
 def test_make_check_leaves_out_only_slow_tests_and_make_test_runs_all() -> None:
     """All but what this machine cannot run: the cuda tests where there is no GPU."""
     gpu = shutil.which("nvidia-smi") is not None
