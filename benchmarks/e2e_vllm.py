@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 import maru
-from maru.cli._engine import build_tiny_llama, run_engine
+from maru.cli._engine import run_engine
+from maru.cli._tiny_model import build_tiny_llama
 from maru.cli.demo import connector_config, model_cache
 from maru.cli.plots import e2e_plot, png_destination, require_matplotlib
 from maru.errors import MaruError

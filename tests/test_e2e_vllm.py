@@ -15,7 +15,8 @@ import pytest
 
 import maru
 from maru.backends.shm import shm_path
-from maru.cli._engine import build_tiny_llama, run_engine, start_engine
+from maru.cli._engine import run_engine, start_engine
+from maru.cli._tiny_model import build_tiny_llama
 from maru.vllm.keys import parse_key
 from tests.conftest import unique_name
 

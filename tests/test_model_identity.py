@@ -7,7 +7,7 @@ import shutil
 
 import huggingface_hub
 
-from maru.cli._engine import build_tiny_llama
+from maru.cli._tiny_model import build_tiny_llama
 from maru.vllm.identity import model_identity
 
 

@@ -94,7 +94,8 @@ def run_demo(
     """Engine A (cold, then its own cache) and engine B (maru) on one random prompt.
 
     `after_engine_a` runs between the two engines (tests corrupt the store there)."""
-    from maru.cli._engine import build_tiny_llama, start_engine
+    from maru.cli._engine import start_engine
+    from maru.cli._tiny_model import build_tiny_llama
 
     length = demo_prompt_tokens(prompt_tokens, config.chunk_tokens)
     if model is None:

@@ -1,32 +1,24 @@
-"""Maru's configuration: one pydantic model, loaded from arguments, vLLM, env and a file.
+"""The configuration model: `MaruConfig`, its backend sections, and what a bad value is.
 
-Precedence, highest first: explicit arguments > vLLM ``kv_connector_extra_config``
-> ``MARU_*`` environment variables > a YAML/TOML/JSON file (``config_file`` or
-``MARU_CONFIG``) > defaults. Each backend's options live in a section named after
-the backend and are validated by that backend's own ``Options`` model. Every
-value remembers where it came from, so errors and ``maru config show`` can say.
-
-Which backends exist is an input of validation, never read inside a validator:
-the pydantic validation context carries it under ``BACKENDS_CONTEXT`` as a mapping
-of backend name to ``Options`` class. The public entry points (``MaruConfig(...)``,
-``MaruConfig.model_validate``, ``model_validate_json``, ``resolve_config`` and
+Each backend's options live in a section named after the backend, validated by that
+backend's own ``Options`` model. Which backends exist is an input of validation, never
+read inside a validator: the pydantic validation context carries it under
+``BACKENDS_CONTEXT`` as a mapping of backend name to ``Options`` class. The public
+entry points (``MaruConfig(...)``, ``MaruConfig.model_validate``,
+``model_validate_json`` and, in ``maru.config.sources``, ``resolve_config`` and
 ``load_config``) take it as ``backends=`` or, by default, from the plugin manager.
+Every invalid input is one ``ConfigError`` naming the field, the value, its source
+where known, and what is allowed.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
-import os
 import re
-import tomllib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -41,25 +33,16 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from maru.errors import ConfigError
-from maru.log import get_logger
 from maru.plugins import DEFAULT_BACKEND, get_plugin_manager, options_model
 from maru.sizes import Size
 
-ENV_PREFIX = "MARU_"
-ENV_CONFIG_FILE = "MARU_CONFIG"
-ENV_NESTING = "__"
 DEFAULT_SOURCE = "default"
 BACKENDS_CONTEXT = "backends"
 """Key of the validation context that holds the installed backends' Options by name."""
 SECRET_KEY_RE = re.compile(r"(^|_)(password|secret|token)$", re.IGNORECASE)
-ENV_JSON_RE = re.compile(r"^\s*(\[|\{|null\s*$)")
-"""Environment values that are JSON: lists, mappings and null (others stay strings)."""
-
 Path_ = tuple[str, ...]
 Backends = Mapping[str, type[BaseModel]]
 """The backends a config is validated against: each name and its Options model."""
-
-log = get_logger(__name__)
 
 
 class Options(BaseModel):
@@ -88,9 +71,7 @@ def _context(context: Mapping[str, Any] | None, backends: Backends | None) -> di
 
 
 @contextmanager
-def _config_errors(
-    backends: Backends, sources: Mapping[Path_, str] | None = None
-) -> Iterator[None]:
+def config_errors(backends: Backends, sources: Mapping[Path_, str] | None = None) -> Iterator[None]:
     """Turn a ValidationError inside the block into the ConfigError that explains it."""
     try:
         yield
@@ -98,7 +79,7 @@ def _config_errors(
         raise config_error(exc, backends, sources) from None
 
 
-def _validate(data: Any, backends: Backends) -> MaruConfig:
+def validate(data: Any, backends: Backends) -> MaruConfig:
     """`data` validated against `backends`; ValidationError if it is bad."""
     return MaruConfig.__pydantic_validator__.validate_python(
         data, context={BACKENDS_CONTEXT: backends}
@@ -155,7 +136,7 @@ class MaruConfig(BaseModel):
     def __init__(self, /, **data: Any) -> None:
         """Validate `data` against the installed backends; ConfigError if it is bad."""
         backends = installed_backends()
-        with _config_errors(backends):
+        with config_errors(backends):
             self.__pydantic_validator__.validate_python(
                 data, self_instance=self, context={BACKENDS_CONTEXT: backends}
             )
@@ -176,7 +157,7 @@ class MaruConfig(BaseModel):
         """Validate `obj` against `backends` (default: the installed ones); ConfigError
         if it is bad."""
         context = _context(context, backends)
-        with _config_errors(context[BACKENDS_CONTEXT]):
+        with config_errors(context[BACKENDS_CONTEXT]):
             return super().model_validate(obj, context=context, **kwargs)
 
     @classmethod
@@ -190,7 +171,7 @@ class MaruConfig(BaseModel):
     ) -> MaruConfig:
         """`model_validate` for JSON text."""
         context = _context(context, backends)
-        with _config_errors(context[BACKENDS_CONTEXT]):
+        with config_errors(context[BACKENDS_CONTEXT]):
             return super().model_validate_json(json_data, context=context, **kwargs)
 
     @model_validator(mode="wrap")
@@ -276,18 +257,6 @@ def _validated_sections(
     return sections, errors
 
 
-@dataclass
-class ResolvedConfig:
-    """A validated config and the source of every value that was not a default."""
-
-    config: MaruConfig
-    sources: dict[Path_, str] = field(default_factory=dict)
-
-    def source_of(self, path: Path_) -> str:
-        """Where the value at `path` (or the section holding it) came from."""
-        return source_of(self.sources, path)
-
-
 def source_of(sources: Mapping[Path_, str], path: Path_) -> str:
     """The source of the value at `path`, of the section above it, or of what is inside it."""
     for end in range(len(path), 0, -1):
@@ -295,29 +264,6 @@ def source_of(sources: Mapping[Path_, str], path: Path_) -> str:
             return sources[path[:end]]
     inside = sorted({source for key, source in sources.items() if key[: len(path)] == path})
     return ", ".join(inside) or DEFAULT_SOURCE
-
-
-class _Merger:
-    """Deep-merges layers of raw settings, remembering the source of each leaf."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, Any] = {}
-        self.sources: dict[Path_, str] = {}
-
-    def add(
-        self,
-        values: Mapping[str, Any],
-        source: str | None = None,
-        env_names: Mapping[Path_, str] | None = None,
-    ) -> None:
-        for path, value in leaves(values):
-            target = self.data
-            for part in path[:-1]:
-                if not isinstance(target.get(part), dict):
-                    target[part] = {}
-                target = target[part]
-            target[path[-1]] = value
-            self.sources[path] = env_names[path] if env_names else source or DEFAULT_SOURCE
 
 
 def leaves(values: Mapping[str, Any], prefix: Path_ = ()) -> list[tuple[Path_, Any]]:
@@ -332,43 +278,7 @@ def leaves(values: Mapping[str, Any], prefix: Path_ = ()) -> list[tuple[Path_, A
     return found
 
 
-def _env_layer(
-    env: Mapping[str, str], backends: Backends
-) -> tuple[dict[str, Any], dict[Path_, str]]:
-    """The `MARU_*` settings; an unknown variable is a warning, never an error, since a
-    stray variable in a serving environment must not stop vLLM from starting."""
-    values: dict[str, Any] = {}
-    names: dict[Path_, str] = {}
-    for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
-            continue
-        path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING))
-        if not _known_path(backends, path):
-            log.warning(
-                "ignoring environment variable %s: maru has no such setting (the closest is %s)",
-                name,
-                _closest_env_name(backends, path),
-            )
-            continue
-        target = values
-        for part in path[:-1]:
-            target = target.setdefault(part, {})
-        target[path[-1]] = _env_value(value)
-        names[path] = f"env {name}"
-    return values, names
-
-
-def _env_value(text: str) -> Any:
-    """A list, mapping or null written as JSON; anything else stays text for pydantic."""
-    if ENV_JSON_RE.match(text):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            pass  # validation then names the variable and its value
-    return text
-
-
-def _section_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+def section_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
     """The model of the mapping field `key` of `model`, if it is one."""
     annotation = model.model_fields[key].annotation if key in model.model_fields else None
     nested = [
@@ -379,139 +289,15 @@ def _section_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
     return nested[0] if nested else None
 
 
-def _model_at(backends: Backends, path: Path_) -> type[BaseModel] | None:
+def model_at(backends: Backends, path: Path_) -> type[BaseModel] | None:
     """The model of the mapping at `path` below the top level: a backend's Options, or a
     model nested in it; None if `path` names no mapping."""
     model = backends.get(path[0])
     for part in path[1:]:
         if model is None:
             return None
-        model = _section_model(model, part)
+        model = section_model(model, part)
     return model
-
-
-def _known_path(backends: Backends, path: Path_) -> bool:
-    """Is `path` a setting: a top-level one, a backend's section, or a key inside one?"""
-    if len(path) == 1:
-        return path[0] in MaruConfig.model_fields or path[0] in backends
-    model = _model_at(backends, path[:-1])
-    return model is not None and (
-        path[-1] in model.model_fields or path[-1] in getattr(model, "renamed", {})
-    )
-
-
-def _closest_env_name(backends: Backends, path: Path_) -> str:
-    """The variable of the known setting whose name is closest to `path`."""
-    known = {ENV_NESTING.join(p).upper(): p for p in _setting_paths(backends)}
-    wanted = ENV_NESTING.join(path).upper()
-    closest = difflib.get_close_matches(wanted, known, n=1, cutoff=0) or sorted(known)
-    return ENV_PREFIX + closest[0]
-
-
-def _setting_paths(backends: Backends) -> list[Path_]:
-    """The path of every leaf setting: the top-level ones and those of every section."""
-    paths: list[Path_] = [(key,) for key in MaruConfig.model_fields]
-    for name, options in backends.items():
-        paths.extend(_model_paths(options, (name,)))
-    return paths
-
-
-def _model_paths(model: type[BaseModel], prefix: Path_) -> list[Path_]:
-    paths: list[Path_] = []
-    for key in model.model_fields:
-        nested = _section_model(model, key)
-        paths.extend(_model_paths(nested, (*prefix, key)) if nested else [(*prefix, key)])
-    return paths
-
-
-def read_config_file(path: Path, source: str) -> dict[str, Any]:
-    """The mapping in a YAML, TOML or JSON file; ConfigError if it is not one."""
-    where = f"config_file = {str(path)!r} (from {source})"
-    suffix = path.suffix.lower()
-    loaders = {
-        ".yaml": yaml.safe_load,
-        ".yml": yaml.safe_load,
-        ".json": json.loads,
-        ".toml": tomllib.loads,
-    }
-    if suffix not in loaders:
-        raise ConfigError(
-            f"{where}: unsupported file type {suffix or '(none)'!r}; "
-            "allowed: .yaml, .yml, .toml, .json"
-        )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read it: {exc.strerror or exc}") from None
-    try:
-        data = loaders[suffix](text)
-    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{where}: not valid {suffix[1:].upper()}: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{where}: the top level must be a mapping of settings, got {type(data).__name__}"
-        )
-    return data
-
-
-def _pick_config_file(
-    overrides: Mapping[str, Any], extra: Mapping[str, Any], env: Mapping[str, str]
-) -> tuple[Path, str] | None:
-    for value, source in (
-        (overrides.get("config_file"), "argument"),
-        (extra.get("config_file"), "kv_connector_extra_config"),
-        (env.get(ENV_CONFIG_FILE), f"env {ENV_CONFIG_FILE}"),
-    ):
-        if value:
-            return Path(value).expanduser(), source
-    return None
-
-
-def resolve_config(
-    config_file: str | os.PathLike[str] | None = None,
-    *,
-    extra_config: Mapping[str, Any] | None = None,
-    env: Mapping[str, str] | None = None,
-    backends: Backends | None = None,
-    **overrides: Any,
-) -> ResolvedConfig:
-    """Merge every source by precedence, validate against `backends` (default: the
-    installed ones), and keep each value's source."""
-    env = os.environ if env is None else env
-    backends = installed_backends() if backends is None else backends
-    extra = dict(extra_config or {})
-    if config_file is not None:
-        overrides["config_file"] = config_file
-    merger = _Merger()
-    chosen = _pick_config_file(overrides, extra, env)
-    if chosen:
-        path, source = chosen
-        merger.add(read_config_file(path, source), f"file {path}")
-    env_values, env_names = _env_layer(env, backends)
-    merger.add(env_values, env_names=env_names)
-    merger.add(extra, "kv_connector_extra_config")
-    merger.add(overrides, "argument")
-    if chosen:
-        merger.data["config_file"] = str(chosen[0])
-        merger.sources[("config_file",)] = chosen[1]
-    with _config_errors(backends, merger.sources):
-        return ResolvedConfig(_validate(merger.data, backends), merger.sources)
-
-
-def load_config(
-    config_file: str | os.PathLike[str] | None = None,
-    *,
-    extra_config: Mapping[str, Any] | None = None,
-    env: Mapping[str, str] | None = None,
-    backends: Backends | None = None,
-    **overrides: Any,
-) -> MaruConfig:
-    """The validated MaruConfig from arguments, vLLM extra config, env and file."""
-    return resolve_config(
-        config_file, extra_config=extra_config, env=env, backends=backends, **overrides
-    ).config
 
 
 def shown_value(path: Path_, value: Any) -> Any:
@@ -542,5 +328,5 @@ def _allowed_keys(backends: Backends, path: Path_) -> str:
             f"{', '.join(MaruConfig.model_fields)} and the sections of installed "
             f"backends ({', '.join(backends) or 'none'})"
         )
-    model = _model_at(backends, path)
+    model = model_at(backends, path)
     return ", ".join(model.model_fields) if model and model.model_fields else "(none)"
