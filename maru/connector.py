@@ -36,8 +36,12 @@ from maru.vllm.worker import DataPathFactory, MaruWorker
 __all__ = ["MaruConnectorMetadata", "MaruKVConnector"]
 
 
-class MaruKVConnector(KVConnectorBase_V1):
-    """vLLM KV connector that shares prompt KV through a maru store."""
+class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
+    """vLLM KV connector that shares prompt KV through a maru store.
+
+    It supports vLLM's hybrid memory allocator: vLLM keeps it on, so hybrid models start
+    and keep their memory savings; a KV cache of more than one group, or of one that frees
+    blocks, turns maru off with one error (`maru.vllm.groups`), and vLLM computes it."""
 
     def __init__(
         self,
@@ -187,6 +191,12 @@ class MaruKVConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """What vLLM calls instead of `request_finished` with its hybrid allocator on."""
         return self.scheduler.request_finished(request), None
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:

@@ -451,6 +451,8 @@ def test_more_than_one_group_is_named_and_refused() -> None:
     hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
     assert unsupported_groups(hybrid) == (
         "this model's KV cache has 2 groups (FullAttentionSpec of 2 layers, SlidingWindowSpec "
-        "of 1 layers); maru serves one group of full attention"
+        "of 1 layers); maru serves one group of full attention (to share its KV through "
+        "maru, start vLLM with --disable-hybrid-kv-cache-manager: it then keeps every token "
+        "of the sliding-window layers, as for full attention, at that memory cost)"
     )
     assert unsupported_groups(make_kv_cache_config(8)) is None

@@ -20,6 +20,11 @@ except ImportError:  # vLLM < 0.11 has no connector stats
     KVConnectorStats = object  # type: ignore[assignment,misc]
 
 try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # releases before the hybrid memory allocator
+    SupportsHMA = object  # type: ignore[assignment,misc]
+
+try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # vLLM < 0.32 does not count hits by source
     CacheHitSource = None  # type: ignore[assignment,misc]

@@ -6,8 +6,9 @@ whole chunks of one full-attention group. A group that drops blocks (a sliding w
 frees the blocks behind it and hands out the null block in their place) or keeps a
 state instead of pages would make maru save pages it no longer owns and load into the
 null block: another instance would then read wrong KV. So anything else turns the
-connector off with one error naming the group, never a guess. How vLLM handles
-groups, for the support to come: docs/vllm-hybrid-groups.md.
+connector off with one error naming the group, never a guess (the connector declares
+vLLM's `SupportsHMA`, so vLLM keeps its hybrid allocator on and such models start). How
+vLLM handles groups, for the support to come: docs/vllm-hybrid-groups.md.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def unsupported_groups(kv_cache_config: Any) -> str | None:
         return None
     if len(groups) > 1:
         kinds = ", ".join(_described(group) for group in groups)
+        advice = PROMOTE if all(_promotable(group) for group in groups) else ""
         return (
             f"this model's KV cache has {len(groups)} groups ({kinds}); maru serves "
-            "one group of full attention"
+            f"one group of full attention{advice}"
         )
     specs = _layer_specs(groups[0].kv_cache_spec)
     if not all(type(spec) in FULL_ATTENTION_SPECS for spec in specs):
@@ -44,6 +46,26 @@ def unsupported_groups(kv_cache_config: Any) -> str | None:
             "full attention, whose blocks stay the request's"
         )
     return None
+
+
+PROMOTE = (
+    " (to share its KV through maru, start vLLM with --disable-hybrid-kv-cache-manager: "
+    "it then keeps every token of the sliding-window layers, as for full attention, at "
+    "that memory cost)"
+)
+PROMOTED_SPECS = (
+    "FullAttentionSpec",
+    "MLAAttentionSpec",
+    "SlidingWindowSpec",
+    "SlidingWindowMLASpec",
+    "ChunkedLocalAttentionSpec",
+)
+"""Specs that vLLM, with its hybrid allocator off, turns into one full-attention group."""
+
+
+def _promotable(group: Any) -> bool:
+    specs = _layer_specs(group.kv_cache_spec)
+    return all(type(spec).__name__ in PROMOTED_SPECS for spec in specs)
 
 
 def _layer_specs(spec: Any) -> list[Any]:

@@ -32,6 +32,7 @@ from maru.transfer import (
     pin,
 )
 from maru.vllm.compat import tensor_parallel_rank
+from maru.vllm.groups import unsupported_groups
 from maru.vllm.guard import StoreGuard
 from maru.vllm.keys import HEADER_BYTES, object_header, rank_key
 from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruHandshake
@@ -95,6 +96,9 @@ class MaruWorker:
         transfers: DataPathFactory = DataPath,
     ) -> None:
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self.served = unsupported_groups(kv_cache_config) is None
+        """The KV cache is one maru serves (else the scheduler half said why, and plans
+        nothing)."""
         self.blocks_per_chunk = config.chunk_tokens // vllm_config.cache_config.block_size
         self.stats = MaruConnectorStats()
         self.store = StoreGuard(config, "worker", self.stats)
@@ -122,6 +126,9 @@ class MaruWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Find the layout adapter and the data path for the cache's device; a layout or
         device the data path cannot handle disables the connector, loudly."""
+        if not self.served:
+            log.info("maru: not a KV cache maru serves (see the scheduler's error); no data path")
+            return
         adapters = [p.cls for p in get_plugin_manager().layout_adapters.values()]
         num_blocks = self.num_blocks or _guess_num_blocks(kv_caches)
         try:

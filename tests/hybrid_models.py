@@ -1,0 +1,56 @@
+"""Tiny random-weight hybrid models, float32, built locally with transformers: a Llama
+with a sliding-window and a full-attention layer (`layer_types`), and a Granite 4 style
+model with a Mamba2 and an attention layer (GraniteMoeHybrid)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COMMON = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+    "dtype": "float32",
+}
+
+
+def build_hybrid(path: Path, kind: str) -> Path:
+    """Write the `kind` ("sliding_window" or "mamba") model to `path` once."""
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    import transformers
+
+    if kind == "sliding_window":
+        config = transformers.LlamaConfig(
+            **COMMON,
+            head_dim=64,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=64,
+        )
+        model_class = transformers.LlamaForCausalLM
+    else:
+        config = transformers.GraniteMoeHybridConfig(
+            **COMMON,
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_d_state=16,
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            num_local_experts=0,
+        )
+        model_class = transformers.GraniteMoeHybridForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model_class(config).save_pretrained(path, safe_serialization=True)
+    return path
