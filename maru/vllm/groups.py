@@ -15,15 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1 import kv_cache_interface
-
-FULL_ATTENTION_SPECS = tuple(
-    getattr(kv_cache_interface, name)
-    for name in ("FullAttentionSpec", "MLAAttentionSpec")
-    if hasattr(kv_cache_interface, name)
-)
-"""Specs whose every block stays the request's until it finishes (their subclasses,
-such as sink or reference-sliding-window attention, evict blocks: not these)."""
+FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+"""Specs (by exact class: their subclasses, such as sink or reference-sliding-window
+attention, evict blocks) whose every block stays the request's until it finishes."""
 
 
 def unsupported_groups(kv_cache_config: Any) -> str | None:
@@ -40,7 +34,7 @@ def unsupported_groups(kv_cache_config: Any) -> str | None:
             f"one group of full attention{advice}"
         )
     specs = _layer_specs(groups[0].kv_cache_spec)
-    if not all(type(spec) in FULL_ATTENTION_SPECS for spec in specs):
+    if not all(type(spec).__name__ in FULL_ATTENTION_SPECS for spec in specs):
         return (
             f"this model's KV cache group is {_described(groups[0])}; maru serves only "
             "full attention, whose blocks stay the request's"
