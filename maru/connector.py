@@ -160,10 +160,21 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
         except Exception as exc:
             self.worker.abort_saves(exc)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker_half is None:
             return None, None
-        return self.worker_half.finished_saving(finished_req_ids) or None, None
+        saved = self.worker_half.finished_saving(finished_req_ids)
+        loaded, _ = self.worker_half.take_finished_loads()
+        return saved or None, loaded or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """`get_finished` with the requests whose loads failed (vLLM recomputes them);
+        what vLLM asks for since it takes per-request load failures."""
+        if self.worker_half is None:
+            return compat.transfer_results(set(), set(), set())
+        saved = self.worker_half.finished_saving(finished_req_ids)
+        loaded, failed = self.worker_half.take_finished_loads()
+        return compat.transfer_results(saved, loaded, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_half.take_failed_blocks() if self.worker_half else set()
@@ -173,11 +184,12 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+        tokens = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, tokens > 0 and self.scheduler.loads_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(
-            request, blocks.get_block_ids()[0], num_external_tokens
+            request, blocks.get_block_ids(), num_external_tokens
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
@@ -187,6 +199,7 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
         super().update_connector_output(connector_output)
         if self.scheduler_half is not None:
             self.scheduler_half.saves_settled(set(connector_output.finished_sending or ()))
+            self.scheduler_half.loads_failed(set(getattr(connector_output, "failed_recving", ())))
 
     def request_finished(
         self, request: Any, block_ids: list[int]

@@ -418,8 +418,8 @@ def _connector_description(llm: Any) -> dict[str, Any]:
         worker = getattr(connector, "worker_half", None)
         scheduler = getattr(connector, "scheduler_half", None)
         if worker is not None:
-            transfers = worker.transfers
-            described["layout_adapter"] = transfers.adapter.name if transfers else None
+            names = sorted({path.adapter.name for path in worker.paths.values()})
+            described["layout_adapter"] = ",".join(names) or None
             described["layout_fingerprint"] = worker.fingerprint
         if scheduler is not None:
             described["identity"] = scheduler.identity()

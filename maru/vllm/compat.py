@@ -25,6 +25,11 @@ except ImportError:  # releases before the hybrid memory allocator
     SupportsHMA = object  # type: ignore[assignment,misc]
 
 try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # vLLM < 0.32 takes no per-request load failures
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # vLLM < 0.32 does not count hits by source
     CacheHitSource = None  # type: ignore[assignment,misc]
@@ -107,3 +112,11 @@ def tensor_parallel_rank() -> int | None:
         return get_tensor_model_parallel_rank()
     except Exception:
         return None
+
+
+def transfer_results(saved: set[str], loaded: set[str], failed: set[str]) -> Any:
+    """What a worker reports of its transfers, as vLLM takes it (`get_transfer_results`;
+    a failed load is also a finished one)."""
+    return KVConnectorTransferResults(
+        finished_sending=saved, finished_recving=loaded | failed, failed_recving=failed
+    )

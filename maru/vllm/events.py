@@ -14,11 +14,13 @@ VERIFY_INTERVAL_S. The medium is `maru:<backend>`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from maru.backends.base import Backend, key_digest
+
+Chunked = TypeVar("Chunked")
 
 VERIFY_INTERVAL_S = 1.0
 """How often the announced chunks are checked where the store keeps no removal log."""
@@ -149,10 +151,10 @@ class StoreEvents:
 
 
 def chunks_held(
-    store: Backend, keys: list[bytes], shares: Callable[[bytes], list[bytes]]
+    store: Backend, keys: Sequence[Chunked], shares: Callable[[Chunked], list[bytes]]
 ) -> list[bool]:
-    """Per chunk key: does the store hold every one of its shares (one per tensor-parallel
-    rank)? One `contains` for all of them."""
+    """Per chunk (a key, or a key and its group): does the store hold every one of its
+    shares (one per tensor-parallel rank)? One `contains` for all of them."""
     if not keys:
         return []
     groups = [shares(key) for key in keys]

@@ -1,6 +1,7 @@
 """The key schema: every key and object header maru writes is built and parsed here.
 
     maru/<tenant>/<digest>/<block hash>@<rank>    one tensor-parallel rank's share of a chunk
+    maru/<tenant>/<digest>/<block hash>@<rank>.<group>    the same, of KV cache group > 0
     maru/<tenant>/<digest>/.namespace             the namespace's record (JSON)
 
 `<tenant>` is the configured `namespace` (tenants sharing a store); `<digest>` covers
@@ -25,6 +26,7 @@ ROOT = b"maru/"
 RECORD_NAME = b".namespace"
 DIGEST_CHARS = 32
 RANK_SEPARATOR = b"@"
+GROUP_SEPARATOR = "."
 HEADER_BYTES = 64
 HEADER_MAGIC = b"MARUKV01"
 
@@ -45,9 +47,11 @@ def chunk_key(prefix: bytes, block_hash: bytes) -> bytes:
     return prefix + bytes(block_hash)
 
 
-def rank_key(chunk: bytes, rank: int) -> bytes:
-    """The object key of one tensor-parallel rank's share of a chunk."""
-    return chunk + RANK_SEPARATOR + str(rank).encode()
+def rank_key(chunk: bytes, rank: int, group: int = 0) -> bytes:
+    """The object key of one tensor-parallel rank's share of a chunk, of one KV cache
+    group (`<rank>` for the first group, `<rank>.<group>` for the others)."""
+    share = str(rank) if group == 0 else f"{rank}{GROUP_SEPARATOR}{group}"
+    return chunk + RANK_SEPARATOR + share.encode()
 
 
 def record_key(prefix: bytes) -> bytes:
@@ -106,7 +110,25 @@ class ParsedKey:
     @property
     def rank(self) -> int | None:
         """The tensor-parallel rank whose share this is; None for the record."""
-        return None if self.is_record else int(self.name.rpartition(RANK_SEPARATOR)[2])
+        return None if self.is_record else _share(self.name)[0]
+
+    @property
+    def group(self) -> int | None:
+        """The KV cache group whose pages this is; None for the record."""
+        return None if self.is_record else _share(self.name)[1]
+
+
+def _number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _share(name: bytes) -> tuple[int, int] | None:
+    """(rank, group) of a chunk object's name; None if it does not end in one."""
+    share = name.rpartition(RANK_SEPARATOR)[2].decode("ascii", "replace")
+    rank, separator, group = share.partition(GROUP_SEPARATOR)
+    if not _number(rank) or (separator and not _number(group)):
+        return None
+    return int(rank), int(group or 0)
 
 
 def parse_key(key: bytes) -> ParsedKey | None:
@@ -118,8 +140,8 @@ def parse_key(key: bytes) -> ParsedKey | None:
     if not (tenant and slash and name) or len(digest) != DIGEST_CHARS:
         return None
     if name != RECORD_NAME:
-        block_hash, separator, rank = name.rpartition(RANK_SEPARATOR)
-        if not (block_hash and separator and rank.isdigit()):
+        block_hash, separator, _ = name.rpartition(RANK_SEPARATOR)
+        if not (block_hash and separator and _share(name)):
             return None
     try:
         return ParsedKey(tenant.decode(), digest.decode(), name)

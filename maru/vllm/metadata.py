@@ -13,17 +13,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 NO_DATA_PATH = "unrecognised"
 """The fingerprint a worker reports when its layout or device has no data path."""
+NULL_BLOCK = 0
+"""vLLM's null block: what a group's table holds where it dropped or skipped a block
+(shared by every group, never loaded into or saved from)."""
 
 
 @dataclass
 class ChunkTransfer:
-    """One chunk to load or save: its key and the blocks it covers."""
+    """One chunk of one KV cache group to load or save: its key and the group's blocks
+    it covers."""
 
     key: bytes
     block_ids: list[int]
     first_block: int = 0
-    """Index, in the chunk, of block_ids[0] (a load may skip locally computed blocks)."""
+    """Index, in the object, of block_ids[0] (a load may skip locally computed blocks)."""
     req_id: str = ""
+    group: int = 0
+    """The KV cache group (`maru.vllm.groups`): its layers' pages, its block ids."""
 
 
 @dataclass

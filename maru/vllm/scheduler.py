@@ -15,11 +15,19 @@ from typing import Any
 
 from maru.backends.base import Backend
 from maru.config import MaruConfig
-from maru.errors import ConfigError, MaruError
+from maru.errors import MaruError
 from maru.log import get_logger
 from maru.vllm import compat, keys
 from maru.vllm.events import StoreEvents, chunks_held, request_chunk
-from maru.vllm.groups import unsupported_groups
+from maru.vllm.groups import (
+    FULL,
+    STATE,
+    KVGroup,
+    UnservedGroups,
+    check_chunk_tokens,
+    kv_groups,
+    loads_async,
+)
 from maru.vllm.guard import StoreGuard
 from maru.vllm.identity import (
     kv_identity,
@@ -27,7 +35,7 @@ from maru.vllm.identity import (
     namespace_record,
     warn_if_hash_seed_is_per_process,
 )
-from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruConnectorMetadata
+from maru.vllm.metadata import NO_DATA_PATH, NULL_BLOCK, ChunkTransfer, MaruConnectorMetadata
 from maru.vllm.records import differing_fields, namespaces, write_record
 from maru.vllm.stats import (
     HIT_TOKENS,
@@ -57,10 +65,11 @@ class RequestState:
 
     request: Any
     keys: list[bytes]
-    stored: list[bool]
-    """Per chunk: not to save, as the store held it at the lookup (or, without an answer,
-    vLLM computed it earlier)."""
-    block_ids: list[int] = field(default_factory=list)
+    stored: list[list[bool]]
+    """Per group, per chunk: not to save, as the store held it at the lookup (or, without
+    an answer, vLLM computed it earlier)."""
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per group: the request's block table (0 where vLLM holds its null block)."""
     local_tokens: int = 0
     planned_chunks: int = 0
     """Chunks before this one are stored or have had their save planned."""
@@ -76,16 +85,12 @@ class MaruScheduler:
     def __init__(self, vllm_config: Any, config: MaruConfig, kv_cache_config: Any = None) -> None:
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = config.chunk_tokens
-        if self.chunk_tokens % self.block_size:
-            raise ConfigError(
-                f"chunk_tokens = {self.chunk_tokens}: not a multiple of vLLM's block size "
-                f"({self.block_size}); allowed: a multiple of {self.block_size}"
-            )
-        self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.stats = MaruConnectorStats()
         self.store = StoreGuard(config, "scheduler", self.stats)
         self.requests: dict[str, RequestState] = {}
+        self.failed_loads: set[str] = set()
+        """Requests whose load failed: recomputed, never loaded again."""
         self._vllm_config = vllm_config
         self._config = config
         self._layout = "unknown"
@@ -100,9 +105,15 @@ class MaruScheduler:
         log.info("maru: model %s is %s in the key namespace", model.model, self.model_identity)
         warn_if_hash_seed_is_per_process(vllm_config)
         compat.say_what_this_release_lacks()
-        unsupported = unsupported_groups(kv_cache_config)
-        if unsupported is not None:
-            self.store.disable(unsupported)
+        try:
+            self.groups = kv_groups(kv_cache_config, self.block_size)
+        except UnservedGroups as exc:
+            self.groups = []
+            self.store.disable(str(exc))
+        check_chunk_tokens(self.groups, self.chunk_tokens)
+        self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
+        """Tokens per entry of `request.block_hashes`."""
+        self.loads_async = loads_async(self.groups)
         store = self.store.available()  # at start-up: a new pool is set up here, not in a request
         self.medium = store.medium if store is not None else "remote"
         """Where the store's bytes live (`Backend.medium`), for vLLM's hit sources."""
@@ -176,7 +187,10 @@ class MaruScheduler:
 
     def identity(self) -> dict[str, Any]:
         """What the namespace's digest covers (`maru.vllm.identity.kv_identity`)."""
-        return kv_identity(self._vllm_config, self._config, self._layout, self.model_identity)
+        groups = [group.signature for group in self.groups]
+        return kv_identity(self._vllm_config, self._config, self._layout, self.model_identity) | {
+            "kv_groups": groups
+        }
 
     def key_prefix(self) -> bytes:
         """This instance's namespace: the key prefix of every chunk it loads and saves."""
@@ -227,15 +241,10 @@ class MaruScheduler:
 
     def chunk_keys(self, request: Any) -> list[bytes]:
         """One key per whole prompt chunk: the hash of its last block (hashes are chained)."""
-        hashes = request.block_hashes
-        count = min(
-            len(hashes) // self.blocks_per_chunk, request.num_prompt_tokens // self.chunk_tokens
-        )
+        hashes, per_chunk = request.block_hashes, self.chunk_tokens // self.hash_block_size
+        count = min(len(hashes) // per_chunk, request.num_prompt_tokens // self.chunk_tokens)
         prefix = self.key_prefix()
-        return [
-            keys.chunk_key(prefix, hashes[(c + 1) * self.blocks_per_chunk - 1])
-            for c in range(count)
-        ]
+        return [keys.chunk_key(prefix, hashes[(c + 1) * per_chunk - 1]) for c in range(count)]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond `num_computed_tokens` that can be loaded from the store.
@@ -249,26 +258,61 @@ class MaruScheduler:
         local = num_computed_tokens // self.chunk_tokens
         stored = self._stored(chunk_keys)
         if stored is None:  # no answer: take vLLM's own chunks as stored, save the rest
-            stored = [chunk < local for chunk in range(len(chunk_keys))]
+            stored = [[chunk < local for chunk in range(len(chunk_keys))] for _ in self.groups]
         self.requests[request.request_id] = RequestState(
             request, chunk_keys, stored, local_tokens=num_computed_tokens
         )
-        hit_chunks = local
-        while hit_chunks < len(chunk_keys) and stored[hit_chunks]:
-            hit_chunks += 1
+        if request.request_id in self.failed_loads:
+            return 0
+        hit_chunks = self._hit_chunks(request, stored, num_computed_tokens)
         self.stats.add(MISS_TOKENS, (len(chunk_keys) - hit_chunks) * self.chunk_tokens)
-        hit_tokens = min(hit_chunks * self.chunk_tokens, request.num_prompt_tokens - 1)
-        return max(0, hit_tokens - num_computed_tokens)
+        return max(0, self._hit_tokens(request, hit_chunks) - num_computed_tokens)
 
-    def _stored(self, chunk_keys: list[bytes]) -> list[bool] | None:
-        """Per chunk, whether the store holds every rank's share; None if it cannot say."""
+    def _hit_tokens(self, request: Any, chunks: int) -> int:
+        """Tokens a hit of `chunks` whole chunks lets vLLM skip (never the last prompt
+        token, which must be computed to sample)."""
+        return min(chunks * self.chunk_tokens, request.num_prompt_tokens - 1)
+
+    def _hit_chunks(self, request: Any, stored: list[list[bool]], local_tokens: int) -> int:
+        """The most chunks at whose end every group can be served: each group's new
+        blocks there are in objects the store holds (at least vLLM's own chunks)."""
+        local = local_tokens // self.chunk_tokens
+        chunks = len(stored[0]) if stored else 0
+        for group in self.groups:
+            if group.kind == FULL:  # every chunk from the local hit on: a leading run
+                run = local
+                while run < chunks and stored[group.index][run]:
+                    run += 1
+                chunks = run
+            else:  # a window or a state is stored only at a chunk's very end
+                chunks = min(chunks, (request.num_prompt_tokens - 1) // self.chunk_tokens)
+        for candidate in range(chunks, local, -1):
+            hit = self._hit_tokens(request, candidate)
+            if hit > local_tokens and all(
+                stored[g.index][position // (self.chunk_tokens // g.block_size)]
+                for g in self.groups
+                if g.kind != FULL
+                for position in g.fresh_range(local_tokens, hit)
+            ):
+                return candidate
+        return local
+
+    def _stored(self, chunk_keys: list[bytes]) -> list[list[bool]] | None:
+        """Per group and chunk, whether the store holds every rank's share; None if it
+        cannot say."""
         if not chunk_keys:
-            return []
+            return [[] for _ in self.groups]
         store = self.store.available()
         if store is None:
             return None
         try:
-            held = chunks_held(store, chunk_keys, self.shares)
+            held = iter(
+                chunks_held(
+                    store,
+                    [(key, g.index) for g in self.groups for key in chunk_keys],
+                    lambda chunk: self.shares(*chunk),
+                )
+            )
         except Exception as exc:
             self.stats.add(LOOKUPS)
             self.stats.add(LOOKUP_ERRORS)
@@ -276,49 +320,66 @@ class MaruScheduler:
             return None
         self.stats.add(LOOKUPS)
         self.keep_record(store)
-        return held
+        return [[next(held) for _ in chunk_keys] for _ in self.groups]
 
-    def shares(self, key: bytes) -> list[bytes]:
-        """A chunk key's objects in the store: one per tensor-parallel rank."""
-        return [keys.rank_key(key, rank) for rank in range(self.tp_size)]
+    def shares(self, key: bytes, group: int = 0) -> list[bytes]:
+        """A chunk key's objects of one group in the store: one per tensor-parallel rank."""
+        return [keys.rank_key(key, rank, group) for rank in range(self.tp_size)]
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_external_tokens: int
+        self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
-        """Plan the loads of the external tokens into the allocated blocks."""
+        """Plan the loads of the external tokens into the allocated blocks: per group,
+        every block vLLM gave it anew there (never its null block)."""
         state = self.requests.get(request.request_id)
         if state is None:
             return
-        state.block_ids = list(block_ids)
+        state.block_ids = [list(ids) for ids in block_ids]
         state.loads = []
         if num_external_tokens <= 0:
             return
         self.stats.add(HIT_TOKENS, num_external_tokens)
-        first_block = state.local_tokens // self.block_size
-        end_block = -(-(state.local_tokens + num_external_tokens) // self.block_size)
-        for chunk in range(
-            first_block // self.blocks_per_chunk, -(-end_block // self.blocks_per_chunk)
+        hit = state.local_tokens + num_external_tokens
+        for group in self.groups:
+            table = state.block_ids[group.index]
+            per_chunk = self.chunk_tokens // group.block_size
+            for position in group.fresh_range(state.local_tokens, hit):
+                if position < len(table) and table[position] != NULL_BLOCK:
+                    chunk = position // per_chunk
+                    first = position - group.stored_range(chunk, self.chunk_tokens).start
+                    self._add_load(state, chunk, group.index, table[position], first)
+
+    def _add_load(
+        self, state: RequestState, chunk: int, group: int, block: int, first: int
+    ) -> None:
+        """Add one block to the chunk's load (runs of consecutive positions are one)."""
+        last = state.loads[-1] if state.loads else None
+        if (
+            last is not None
+            and last.key == state.keys[chunk]
+            and last.group == group
+            and last.first_block + len(last.block_ids) == first
         ):
-            start = max(first_block, chunk * self.blocks_per_chunk)
-            stop = min(end_block, (chunk + 1) * self.blocks_per_chunk)
-            state.loads.append(
-                ChunkTransfer(
-                    state.keys[chunk],
-                    state.block_ids[start:stop],
-                    start - chunk * self.blocks_per_chunk,
-                )
-            )
+            last.block_ids.append(block)
+            return
+        state.loads.append(
+            ChunkTransfer(state.keys[chunk], [block], first, state.request.request_id, group)
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
-        """This step's loads and the saves of every chunk that completes in it."""
+        """This step's loads (also of requests waiting for them) and the saves of every
+        chunk that completes in it."""
         meta = MaruConnectorMetadata(
             preempted=bool(getattr(scheduler_output, "preempted_req_ids", None))
         )
+        for state in self.requests.values():
+            meta.loads.extend(state.loads)
+            state.loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = [list(ids) for ids in new.block_ids]
                 self._plan(state, new.num_computed_tokens + scheduled[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
@@ -327,29 +388,56 @@ class MaruScheduler:
                 continue
             new_block_ids = cached.new_block_ids[index]
             if req_id in getattr(cached, "resumed_req_ids", ()):
-                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
+                state.block_ids = [list(ids) for ids in new_block_ids or [[] for _ in self.groups]]
             elif new_block_ids:
-                state.block_ids.extend(new_block_ids[0])
+                for table, ids in zip(state.block_ids, new_block_ids, strict=True):
+                    table.extend(ids)
             self._plan(state, cached.num_computed_tokens[index] + scheduled[req_id], meta)
         return meta
 
     def _plan(self, state: RequestState, computed: int, meta: MaruConnectorMetadata) -> None:
-        meta.loads.extend(state.loads)
-        state.loads = []
+        """Plan the save of every chunk that completes with `computed` tokens, per group:
+        what the group stores of it, if vLLM still holds all of it."""
         complete = min(computed // self.chunk_tokens, len(state.keys))
-        k = self.blocks_per_chunk
         for chunk in range(state.planned_chunks, complete):
-            block_ids = state.block_ids[chunk * k : (chunk + 1) * k]
-            if not state.stored[chunk] and len(block_ids) == k:
+            for group in self.groups:
+                block_ids = self._saved_blocks(state, group, chunk, computed)
+                if block_ids is None or state.stored[group.index][chunk]:
+                    continue
                 meta.saves.append(
-                    ChunkTransfer(state.keys[chunk], block_ids, req_id=state.request.request_id)
+                    ChunkTransfer(
+                        state.keys[chunk],
+                        block_ids,
+                        req_id=state.request.request_id,
+                        group=group.index,
+                    )
                 )
                 state.saving = True
-                if self.events is not None:
+                if self.events is not None and group.index == 0:
+                    k = self.chunk_tokens // self.block_size
                     self.events.planned(
                         state.keys[chunk], request_chunk(state.request, chunk, k, self.block_size)
                     )
         state.planned_chunks = max(state.planned_chunks, complete)
+
+    def _saved_blocks(
+        self, state: RequestState, group: KVGroup, chunk: int, computed: int
+    ) -> list[int] | None:
+        """The blocks of `group` that chunk `chunk`'s object holds; None where vLLM no
+        longer holds them all (a state is only this step's, when it ends the chunk)."""
+        end = (chunk + 1) * self.chunk_tokens
+        if group.kind == STATE and computed != end:
+            return None
+        positions = group.stored_range(chunk, self.chunk_tokens)
+        block_ids = state.block_ids[group.index][positions.start : positions.stop]
+        if len(block_ids) != len(positions) or NULL_BLOCK in block_ids:
+            return None
+        return block_ids
+
+    def loads_failed(self, req_ids: set[str]) -> None:
+        """The workers could not load these requests' KV: vLLM recomputes them; they are
+        not looked up again."""
+        self.failed_loads |= req_ids & self.requests.keys()
 
     def saves_settled(self, req_ids: set[str]) -> None:
         """The workers reported these requests' saves done (for the KV events)."""
@@ -360,6 +448,7 @@ class MaruScheduler:
         """Forget the request; True if vLLM must keep its blocks until the worker reports
         its saves done (`get_finished`)."""
         state = self.requests.pop(request.request_id, None)
+        self.failed_loads.discard(request.request_id)
         return state is not None and state.saving
 
     def close(self) -> None:

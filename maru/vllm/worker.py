@@ -32,7 +32,7 @@ from maru.transfer import (
     pin,
 )
 from maru.vllm.compat import tensor_parallel_rank
-from maru.vllm.groups import unsupported_groups
+from maru.vllm.groups import FULL, KVGroup, UnservedGroups, kv_groups, loads_async
 from maru.vllm.guard import StoreGuard
 from maru.vllm.keys import HEADER_BYTES, object_header, rank_key
 from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruHandshake
@@ -74,6 +74,7 @@ class PendingSave:
 
     key: bytes
     req_id: str
+    group: int
     copy: ChunkCopy
     reservation: torch.Tensor
     """The reservation's memory (the copies land in `copy.payload`, here or in staging)."""
@@ -96,10 +97,12 @@ class MaruWorker:
         transfers: DataPathFactory = DataPath,
     ) -> None:
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
-        self.served = unsupported_groups(kv_cache_config) is None
-        """The KV cache is one maru serves (else the scheduler half said why, and plans
-        nothing)."""
-        self.blocks_per_chunk = config.chunk_tokens // vllm_config.cache_config.block_size
+        try:
+            self.groups = kv_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        except UnservedGroups:  # the scheduler half says why, and plans nothing
+            self.groups = []
+        self.loads_async = loads_async(self.groups)
+        self.chunk_tokens = config.chunk_tokens
         self.stats = MaruConnectorStats()
         self.store = StoreGuard(config, "worker", self.stats)
         rank, tp_size = tensor_parallel_rank(), vllm_config.parallel_config.tensor_parallel_size
@@ -110,59 +113,97 @@ class MaruWorker:
             )
         self.rank = rank or 0
         self._make_transfers = transfers
-        self.transfers: DataPath | None = None
-        """The data path, once `register_kv_caches` recognised the layout."""
+        self.paths: dict[int, DataPath] = {}
+        """Per KV cache group, its data path, once `register_kv_caches` recognised the
+        layout of its layers."""
+        self.layer_groups: dict[str, int] = {}
         self.fingerprint = NO_DATA_PATH
         self.pinned = False
         """The store's memory is page-locked, so device transfers use it directly."""
         self.failed_blocks: set[int] = set()
         self.loading: list[PendingLoad] = []
+        self.loaded_requests: set[str] = set()
+        self.failed_requests: set[str] = set()
+        """Requests whose loads are done, and those of them that failed (asynchronous
+        loads: `loads_async`)."""
         self.pending: dict[bytes, PendingSave] = {}
         self.in_flight: list[PendingSave] = []
         self.saving_requests: set[str] = set()
         """Requests with a planned save: their blocks are freed once they are reported."""
         self.finishing: set[str] = set()
 
+    @property
+    def served(self) -> bool:
+        """The KV cache is one maru serves (else the scheduler half said why, and plans
+        nothing)."""
+        return bool(self.groups)
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Find the layout adapter and the data path for the cache's device; a layout or
-        device the data path cannot handle disables the connector, loudly."""
+        """Find each group's layout adapter and the data path for the cache's device; a
+        layout or device the data path cannot handle disables the connector, loudly."""
         if not self.served:
             log.info("maru: not a KV cache maru serves (see the scheduler's error); no data path")
             return
         adapters = [p.cls for p in get_plugin_manager().layout_adapters.values()]
         num_blocks = self.num_blocks or _guess_num_blocks(kv_caches)
         try:
-            adapter = recognise(kv_caches, num_blocks, adapters)
-            self.transfers = self._make_transfers(adapter)
+            for group in self.groups:
+                adapter = recognise(self._layers(group, kv_caches), num_blocks, adapters)
+                self.paths[group.index] = self._make_transfers(adapter)
         except LayoutError as exc:
+            self.paths = {}
             log.error("maru: %s", exc)
             return
         except UnsupportedDeviceError as exc:
+            self.paths = {}
             self.store.disable(str(exc))
             return
-        self.fingerprint = adapter.fingerprint
+        self.layer_groups = {
+            name: index for index, path in self.paths.items() for name in path.adapter.layers
+        }
+        self.fingerprint = "+".join(path.adapter.fingerprint for path in self.paths.values())
+        path = next(iter(self.paths.values()))
         store = self.store.available()  # at start-up: a new pool is set up here, not in a request
-        if self.transfers.on_device and store is not None and store.zero_copy:
+        if path.on_device and store is not None and store.zero_copy:
             self.pinned = pin(store.host_memory())
-        log.info(
-            "maru: KV layout %s (fingerprint %s), %d layers, %d bytes per block, on %s%s",
-            adapter.name,
-            adapter.fingerprint,
-            len(adapter.layers),
-            adapter.block_bytes,
-            self.transfers.device,
-            ", store memory page-locked" if self.pinned else "",
-        )
+        for index, path in self.paths.items():
+            log.info(
+                "maru: KV cache group %d: layout %s (fingerprint %s), %d layers, %d bytes per "
+                "block, on %s%s",
+                index,
+                path.adapter.name,
+                path.adapter.fingerprint,
+                len(path.adapter.layers),
+                path.adapter.block_bytes,
+                path.device,
+                ", store memory page-locked" if self.pinned else "",
+            )
+
+    def _layers(self, group: KVGroup, kv_caches: dict[str, Any]) -> dict[str, Any]:
+        """The group's layers (one group: every layer vLLM registered)."""
+        if len(self.groups) == 1:
+            return kv_caches
+        missing = [name for name in group.layer_names if name not in kv_caches]
+        if missing:
+            raise LayoutError(
+                f"KV cache {group.described}: register_kv_caches gave no tensor for "
+                f"{', '.join(missing)}"
+            )
+        return {name: kv_caches[name] for name in group.layer_names}
 
     def handshake(self) -> MaruHandshake:
         return MaruHandshake(self.fingerprint)
 
-    def object_bytes(self, blocks: int) -> int:
-        return HEADER_BYTES + self.transfers.payload_bytes(blocks)
+    def object_bytes(self, group: int, blocks: int | None = None) -> int:
+        """Bytes of an object of `group` with `blocks` blocks (by default: a whole one)."""
+        if blocks is None:
+            blocks = self.groups[group].stored_blocks(self.chunk_tokens)
+        return HEADER_BYTES + self.paths[group].payload_bytes(blocks)
 
     def _host_direct(self, store: Backend) -> bool:
         """Can copies use the store's memory itself (else a staging buffer)?"""
-        return not self.transfers.on_device or (store.zero_copy and self.pinned)
+        path = next(iter(self.paths.values()))
+        return not path.on_device or (store.zero_copy and self.pinned)
 
     # loads
 
@@ -172,46 +213,54 @@ class MaruWorker:
             self._start_loads(transfers)
 
     def _start_loads(self, transfers: list[ChunkTransfer]) -> None:
-        opened = []
+        opened: dict[int, list[PendingLoad]] = {}
         for transfer in transfers:
-            pending = self._open(transfer) if self.transfers else None
+            pending = self._open(transfer) if self.paths else None
             if pending is None:
                 self._load_failed(transfer)
             else:
-                opened.append(pending)
-        failed = self.transfers.load([p.copy for p in opened]) if opened else set()
-        for index, pending in enumerate(opened):
-            if index in failed:
-                self._load_failed(pending.transfer)
-            else:
-                self.loading.append(pending)
-        if self.transfers and not self.transfers.on_device:
+                opened.setdefault(transfer.group, []).append(pending)
+        for group, pendings in opened.items():
+            failed = self.paths[group].load([p.copy for p in pendings])
+            for index, pending in enumerate(pendings):
+                if index in failed:
+                    self._load_failed(pending.transfer)
+                else:
+                    self.loading.append(pending)
+        if self.loads_async:
+            self.loaded_requests.update(t.req_id for t in transfers)
+        if self.paths and not self._on_device:
             self._finish_loads()
 
+    @property
+    def _on_device(self) -> bool:
+        return any(path.on_device for path in self.paths.values())
+
     def _open(self, transfer: ChunkTransfer) -> PendingLoad | None:
-        """The chunk's object, checked, as host memory the copies can read; None if absent
-        or not to be trusted."""
+        """The chunk's object, checked, as host memory the copies can read; None if absent,
+        not to be trusted, or without the blocks the transfer asks for."""
         store = self.store.available()
         if store is None:
             return None
-        key = rank_key(transfer.key, self.rank)
+        stored = self.groups[transfer.group].stored_blocks(self.chunk_tokens)
+        if transfer.first_block < 0 or transfer.first_block + len(transfer.block_ids) > stored:
+            return None
+        key = rank_key(transfer.key, self.rank, transfer.group)
         try:
             view = store.view(key)
         except Exception as exc:
             self.store.failed(exc)
             return None
-        expected = self.object_bytes(self.blocks_per_chunk)
+        expected = self.object_bytes(transfer.group)
         if view is None or len(view.data) != expected or not self._trusted(key, view.data):
             return None
         payload, still_valid = host_tensor(view.data[HEADER_BYTES:]), view.valid
         if not self._host_direct(store):
-            payload = self.transfers.staging(payload.numel()).copy_(payload)
+            payload = self.paths[transfer.group].staging(payload.numel()).copy_(payload)
             if not view.valid():
                 return None
             still_valid = _always
-        copy = ChunkCopy(
-            Blocks(transfer.block_ids), payload, self.blocks_per_chunk, transfer.first_block
-        )
+        copy = ChunkCopy(Blocks(transfer.block_ids), payload, stored, transfer.first_block)
         return PendingLoad(transfer, copy, still_valid)
 
     def _trusted(self, key: bytes, data: memoryview) -> bool:
@@ -220,8 +269,9 @@ class MaruWorker:
         return data[:HEADER_BYTES] == expected
 
     def wait_for_layer(self, name: str) -> None:
-        if self.transfers is not None:
-            self.transfers.wait_layer(name)
+        group = self.layer_groups.get(name)
+        if group is not None:
+            self.paths[group].wait_layer(name)
 
     def finish_loads(self) -> None:
         """Wait for the loads' copies; a chunk whose object changed meanwhile failed."""
@@ -230,12 +280,12 @@ class MaruWorker:
                 self._finish_loads()
 
     def _finish_loads(self) -> None:
-        self.transfers.loads_done().wait()
-        size = self.object_bytes(self.blocks_per_chunk)
+        for path in self.paths.values():
+            path.loads_done().wait()
         for pending in self.loading:
             if pending.still_valid():
                 self.stats.add(LOADS)
-                self.stats.add(LOADED_BYTES, size)
+                self.stats.add(LOADED_BYTES, self.object_bytes(pending.transfer.group))
                 self.stats.observe(LOAD_LATENCIES, time.perf_counter() - pending.started)
             else:
                 self._load_failed(pending.transfer)
@@ -243,12 +293,24 @@ class MaruWorker:
 
     def _load_failed(self, transfer: ChunkTransfer) -> None:
         self.stats.add(LOAD_ERRORS)
-        self.failed_blocks.update(transfer.block_ids)
+        if self.loads_async:
+            self.failed_requests.add(transfer.req_id)
+        else:
+            self.failed_blocks.update(transfer.block_ids)
 
     def take_failed_blocks(self) -> set[int]:
         self.finish_loads()
         failed, self.failed_blocks = self.failed_blocks, set()
         return failed
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose asynchronous loads are done since the last call: those that
+        loaded, and those that failed (vLLM recomputes them)."""
+        self.finish_loads()
+        failed = self.failed_requests
+        loaded = self.loaded_requests - failed
+        self.loaded_requests, self.failed_requests = set(), set()
+        return loaded, failed
 
     # saves
 
@@ -258,26 +320,29 @@ class MaruWorker:
             self._queue_layer(layer_name, transfers)
 
     def _queue_layer(self, layer_name: str, transfers: list[ChunkTransfer]) -> None:
-        if self.transfers is None or layer_name not in self.transfers.adapter.layers:
+        group = self.layer_groups.get(layer_name)
+        if group is None:
             return
         chunks = []
         for transfer in transfers:
+            if transfer.group != group:
+                continue
             pending = self._pending(transfer)
             if pending is not None and layer_name not in pending.layers_done:
                 pending.layers_done.add(layer_name)
                 chunks.append(pending.copy)
         if chunks:
-            self.transfers.save_layer(layer_name, chunks)
+            self.paths[group].save_layer(layer_name, chunks)
 
     def _pending(self, transfer: ChunkTransfer) -> PendingSave | None:
-        key = rank_key(transfer.key, self.rank)
+        key = rank_key(transfer.key, self.rank, transfer.group)
         if key in self.pending:
             return self.pending[key]
         store = self.store.available()
         if store is None:
             return None
         stack = ExitStack()
-        size = self.object_bytes(len(transfer.block_ids))
+        size = self.object_bytes(transfer.group, len(transfer.block_ids))
         try:
             buffer = stack.enter_context(store.reserve(key, size))
         except Exception as exc:
@@ -294,9 +359,11 @@ class MaruWorker:
         staged = not self._host_direct(store)
         pages = reservation[HEADER_BYTES:]
         if staged:
-            pages = self.transfers.staging(pages.numel())
+            pages = self.paths[transfer.group].staging(pages.numel())
         copy = ChunkCopy(Blocks(transfer.block_ids), pages, len(transfer.block_ids))
-        pending = PendingSave(key, transfer.req_id, copy, reservation, staged, stack)
+        pending = PendingSave(
+            key, transfer.req_id, transfer.group, copy, reservation, staged, stack
+        )
         self.pending[key] = pending
         return pending
 
@@ -304,12 +371,15 @@ class MaruWorker:
         """Queue the layers no save_kv_layer call delivered; every chunk of this step is
         then committed once its copies are done (on the CPU: now)."""
         with self.stats.timing(SAVE_SECONDS):
-            for name in self.transfers.adapter.layers if self.transfers else ():
+            for name in self.layer_groups:
                 self._queue_layer(name, transfers)
             if self.pending:
-                done = self.transfers.saves_done()
+                done = {group: path.saves_done() for group, path in self.paths.items()}
+                for group in {pending.group for pending in self.pending.values()}:
+                    if self.groups[group].kind != FULL:  # vLLM may reuse these blocks next step
+                        done[group].hold_compute()
                 for pending in self.pending.values():
-                    pending.copied = done
+                    pending.copied = done[pending.group]
                     self.in_flight.append(pending)
                 self.pending.clear()
         self.commit_copied()
@@ -343,8 +413,8 @@ class MaruWorker:
 
     def abort_saves(self, exc: BaseException) -> None:
         """Drop every open reservation (their space returns to the store), and back off."""
-        if self.transfers is not None:
-            self.transfers.saves_done().wait()  # queued copies may still write into them
+        for path in self.paths.values():
+            path.saves_done().wait()  # queued copies may still write into them
         for pending in [*self.pending.values(), *self.in_flight]:
             pending.stack.__exit__(type(exc), exc, exc.__traceback__)
         self.pending.clear()
