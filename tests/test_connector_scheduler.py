@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 from maru.vllm.keys import rank_key
 from tests import vllm_harness
 from tests.conftest import unique_name
-from tests.vllm_harness import SchedulerHarness, make_kv_cache_config
+from tests.vllm_harness import SchedulerHarness
 
 CHUNK = 64
 
@@ -415,44 +414,3 @@ def test_a_release_without_the_optional_hooks_still_shares_and_says_so(
     h.add("second", tokens(300))
     _, meta = h.step()
     assert len(meta.loads) == 4, "it still shares"
-
-
-def test_a_sliding_window_group_turns_the_connector_off_with_one_error(harness, caplog):
-    """A sliding window frees the blocks behind it (the null block stands in): saving a
-    chunk's blocks then would store pages the request no longer owns."""
-    with caplog.at_level(logging.ERROR, logger="vllm.maru"):
-        h = harness(sliding_window=64)
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1 and "SlidingWindowSpec of 1 layers" in errors[0], errors
-    assert "scheduler half is off" in errors[0]
-    h.add("a", tokens(300))
-    _, meta = h.step()
-    h.add("b", tokens(300))
-    _, again = h.step()
-    assert (meta.saves, again.loads) == ([], [])
-    assert h.stats["lookups"] == 0 and h.store.stats().objects == 0
-
-
-def test_more_than_one_group_is_named_and_refused() -> None:
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
-
-    from maru.vllm.groups import unsupported_groups
-
-    shape = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
-    groups = [
-        KVCacheGroupSpec(["a0", "a1"], FullAttentionSpec(**shape)),
-        KVCacheGroupSpec(["s0"], SlidingWindowSpec(**shape, sliding_window=64)),
-    ]
-    hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
-    assert unsupported_groups(hybrid) == (
-        "this model's KV cache has 2 groups (FullAttentionSpec of 2 layers, SlidingWindowSpec "
-        "of 1 layers); maru serves one group of full attention (to share its KV through "
-        "maru, start vLLM with --disable-hybrid-kv-cache-manager: it then keeps every token "
-        "of the sliding-window layers, as for full attention, at that memory cost)"
-    )
-    assert unsupported_groups(make_kv_cache_config(8)) is None

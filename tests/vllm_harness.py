@@ -66,25 +66,37 @@ def make_vllm_config(
     )
 
 
-def make_kv_cache_config(num_blocks: int, sliding_window: int | None = None) -> Any:
-    """One group, as the scheduler sees it: full attention, or with `sliding_window` a
-    sliding-window group (an all-SWA model, Mistral-7B-v0.1 style)."""
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
+GROUP_LAYERS = {"full": "f", "window": "s", "state": "m"}
+
+
+def group_spec(kind: str, window: int = 64) -> Any:
+    """A KV cache spec of one kind of group, as vLLM builds them: "full" attention, a
+    sliding "window", or a Mamba "state" (its prefix-caching "align" mode)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     shape = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
-    spec = (
-        FullAttentionSpec(**shape)
-        if sliding_window is None
-        else SlidingWindowSpec(**shape, sliding_window=sliding_window)
+    if kind == "full":
+        return FullAttentionSpec(**shape)
+    if kind == "window":
+        return SlidingWindowSpec(**shape, sliding_window=window)
+    return MambaSpec(
+        block_size=BLOCK_SIZE,
+        shapes=((96, 3), (4, 32, 16)),
+        dtypes=(torch.float32, torch.float32),
+        mamba_cache_mode="align",
     )
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
-    )
+
+
+def make_kv_cache_config(num_blocks: int, groups: tuple[str, ...] = ("full",)) -> Any:
+    """The KV cache as the scheduler sees it: one group per kind in `groups` ("full",
+    "window", "state"; one layer each, named by kind), sharing one pool of blocks."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    specs = [
+        KVCacheGroupSpec([f"{GROUP_LAYERS[kind]}{index}"], group_spec(kind))
+        for index, kind in enumerate(groups)
+    ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)
 
 
 def request_parameters() -> set[str]:
@@ -94,6 +106,11 @@ def request_parameters() -> set[str]:
     from vllm.v1.request import Request
 
     return set(inspect.signature(Request).parameters)
+
+
+def failures(req_ids: set[str]) -> dict[str, set[str]]:
+    """KVConnectorOutput's per-request load failures, where this vLLM takes them."""
+    return {"failed_recving": req_ids} if req_ids else {}
 
 
 class SchedulerHarness:
@@ -112,7 +129,7 @@ class SchedulerHarness:
         mock: dict[str, Any] | None = None,
         backend: str = "mock",
         kv_events: bool = False,
-        sliding_window: int | None = None,
+        groups: tuple[str, ...] = ("full",),
     ) -> None:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -128,7 +145,9 @@ class SchedulerHarness:
             max_batched_tokens=max_batched_tokens,
             kv_events=kv_events,
         )
-        kv_cache_config = make_kv_cache_config(num_blocks, sliding_window)
+        kv_cache_config = make_kv_cache_config(num_blocks, groups)
+        if "state" in groups:  # what vLLM sets for a Mamba hybrid with prefix caching
+            vllm_config.cache_config.mamba_cache_mode = "align"
         self.scheduler = Scheduler(
             vllm_config,
             kv_cache_config,
@@ -141,8 +160,10 @@ class SchedulerHarness:
         self.connector = self.scheduler.connector
         self.forwarded: dict[str, float] = {}
         """Connector stats vLLM handed on in its scheduler stats."""
-        self.blocks: dict[str, list[int]] = {}
+        self.blocks: dict[str, tuple[list[int], ...]] = {}
         self.saving: set[str] = set()
+        self.failing_loads: set[str] = set()
+        """Requests whose asynchronous loads the played worker reports failed."""
         self.store = maru.open_store(backend=backend, **{backend: {"name": pool}})
         self.published: list[Any] = []
         if kv_events:
@@ -176,16 +197,20 @@ class SchedulerHarness:
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
         for save in meta.saves:
-            self.store.put(rank_key(save.key, 0), b"pages")
+            self.store.put(rank_key(save.key, 0, save.group), b"pages")
             self.saving.add(save.req_id)
         saved = output.finished_req_ids & self.saving
         self.saving -= saved
+        loaded = (
+            {load.req_id for load in meta.loads} if self.connector.scheduler.loads_async else set()
+        )
+        failed = loaded & self.failing_loads
         computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
         cached = output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         req_ids = list(output.num_scheduled_tokens)
         for req_id in req_ids:
-            self.blocks[req_id] = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+            self.blocks[req_id] = self.scheduler.kv_cache_manager.get_block_ids(req_id)
         sampled = []
         for req_id in req_ids:
             done = computed[req_id] + output.num_scheduled_tokens[req_id]
@@ -197,7 +222,9 @@ class SchedulerHarness:
                 req_ids=req_ids,
                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
                 sampled_token_ids=sampled,
-                kv_connector_output=KVConnectorOutput(finished_sending=saved),
+                kv_connector_output=KVConnectorOutput(
+                    finished_sending=saved, finished_recving=loaded, **failures(failed)
+                ),
             ),
         )
         for outputs in engine_outputs.values():
@@ -224,9 +251,9 @@ class SchedulerHarness:
         getattr(self.scheduler, "prev_step_scheduled_req_ids", set()).discard(req_id)
         self.scheduler._preempt_request(request, time.monotonic())
 
-    def block_ids(self, req_id: str) -> list[int]:
-        """The request's blocks when it was last scheduled."""
-        return self.blocks[req_id]
+    def block_ids(self, req_id: str, group: int = 0) -> list[int]:
+        """The request's blocks (of one KV cache group) when it was last scheduled."""
+        return list(self.blocks[req_id][group])
 
     def chunk_keys(self, request: Any) -> list[bytes]:
         return self.connector.scheduler.chunk_keys(request)
