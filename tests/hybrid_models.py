@@ -1,6 +1,8 @@
 """Tiny random-weight hybrid models, float32, built locally with transformers: a Llama
-with a sliding-window and a full-attention layer (`layer_types`), and a Granite 4 style
-model with a Mamba2 and an attention layer (GraniteMoeHybrid)."""
+with a sliding-window and a full-attention layer (`layer_types`), an all-sliding-window
+Llama (Mistral-7B-v0.1 style), a Granite 4 style model with a Mamba2 and an attention
+layer (GraniteMoeHybrid), and a Qwen3-Next with a gated-delta-net (linear attention) and
+an attention layer."""
 
 from __future__ import annotations
 
@@ -22,21 +24,37 @@ COMMON = {
 }
 
 
+KINDS = ("sliding_window", "all_sliding_window", "mamba", "linear_attention")
+
+
 def build_hybrid(path: Path, kind: str) -> Path:
-    """Write the `kind` ("sliding_window" or "mamba") model to `path` once."""
+    """Write the `kind` (one of KINDS) model to `path` once."""
     if (path / "config.json").is_file():
         return path
     import torch
     import transformers
 
-    if kind == "sliding_window":
+    if kind in ("sliding_window", "all_sliding_window"):
+        second = "full_attention" if kind == "sliding_window" else "sliding_attention"
         config = transformers.LlamaConfig(
-            **COMMON,
-            head_dim=64,
-            layer_types=["sliding_attention", "full_attention"],
-            sliding_window=64,
+            **COMMON, head_dim=64, layer_types=["sliding_attention", second], sliding_window=64
         )
         model_class = transformers.LlamaForCausalLM
+    elif kind == "linear_attention":
+        config = transformers.Qwen3NextConfig(
+            **COMMON,
+            head_dim=64,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        )
+        model_class = transformers.Qwen3NextForCausalLM
     else:
         config = transformers.GraniteMoeHybridConfig(
             **COMMON,

@@ -372,6 +372,7 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     extra["num_gpu_blocks"] = cache_config.num_gpu_blocks
     extra["cache_dtype"] = str(cache_config.cache_dtype)
     extra["model_dtype"] = str(llm.llm_engine.vllm_config.model_config.dtype)
+    extra["kv_cache_groups"] = _kv_cache_groups(llm)
 
     kv_connector = None
     if has_connector:
@@ -447,6 +448,19 @@ def _connector_metrics(llm: Any) -> dict[str, Any]:
         else:
             found[name] = found.get(name, 0) + metric.value
     return found
+
+
+def _kv_cache_groups(llm: Any) -> list[str] | None:
+    """The engine's KV cache groups as its scheduler allocates them: each group's spec
+    and layers; None where the engine core runs in another process."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    config = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    if config is None:
+        return None
+    return [
+        f"{type(group.kv_cache_spec).__name__}: {', '.join(group.layer_names)}"
+        for group in config.kv_cache_groups
+    ]
 
 
 def _kv_cache_container(llm: Any) -> str | None:
