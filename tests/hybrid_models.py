@@ -70,5 +70,21 @@ def build_hybrid(path: Path, kind: str) -> Path:
         model_class = transformers.GraniteMoeHybridForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model_class(config).save_pretrained(path, safe_serialization=True)
+        model = model_class(config)
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith(RECURRENT_WEIGHTS):
+                    weight.normal_(0, RECURRENT_STD)
+                elif name.endswith("A_log"):
+                    weight.fill_(SLOW_DECAY)
+        model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+RECURRENT_WEIGHTS = ("conv1d.weight", "in_proj.weight", "out_proj.weight", "in_proj_qkvz.weight")
+RECURRENT_STD = 0.2
+SLOW_DECAY = -4.0
+"""Random recurrent layers as initialised barely change the residual stream, and their
+state decays ten-fold a token, so a state loaded at a chunk's end would not tell tokens
+apart (zeroing it changed none); with these weights and a state kept for tens of tokens
+(A = -exp(A_log)) it does."""
