@@ -107,6 +107,7 @@ bench: $(STAMP) redis-server
 	  $(BIN)/maru bench --backend shm --backend cxl --backend redis --backend mock \
 	  --plot benchmarks/results/bench.png
 	$(BIN)/python benchmarks/e2e_vllm.py
+	$(BIN)/python benchmarks/hybrid_hits.py
 
 # The data path on a CUDA machine (no vLLM needed): round trips and throughput.
 bench-gpu: $(STAMP)

@@ -18,10 +18,10 @@ import pytest
 import maru
 from maru.backends.shm import shm_path
 from maru.cli._engine import run_engine
+from maru.cli._hybrid_models import build_hybrid
 from maru.cli.demo import connector_config
 from maru.vllm.keys import HEADER_BYTES, ROOT, parse_key
 from tests.conftest import unique_name
-from tests.hybrid_models import build_hybrid
 
 pytestmark = pytest.mark.slow
 

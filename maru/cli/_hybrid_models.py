@@ -1,8 +1,8 @@
-"""Tiny random-weight hybrid models, float32, built locally with transformers: a Llama
-with a sliding-window and a full-attention layer (`layer_types`), an all-sliding-window
-Llama (Mistral-7B-v0.1 style), a Granite 4 style model with a Mamba2 and an attention
-layer (GraniteMoeHybrid), and a Qwen3-Next with a gated-delta-net (linear attention) and
-an attention layer."""
+"""Tiny random-weight hybrid models for real vLLM engines in tests and benchmarks, float32,
+built locally with transformers: a Llama with a sliding-window and a full-attention layer
+(`layer_types`), an all-sliding-window Llama (Mistral-7B-v0.1 style), a Granite 4 style
+model with a Mamba2 and an attention layer (GraniteMoeHybrid), and a Qwen3-Next with a
+gated-delta-net (linear attention) and an attention layer."""
 
 from __future__ import annotations
 
