@@ -25,6 +25,15 @@ def test_a_rank_key_parses_back_into_namespace_hash_and_rank(block_hash) -> None
     assert not parsed.is_record
 
 
+@pytest.mark.parametrize("block_hash", [bytes(range(32)), b"@3.1" * 8, b"@0"])
+def test_a_group_s_key_parses_back_into_hash_rank_and_group(block_hash) -> None:
+    chunk = keys.chunk_key(PREFIX, block_hash)
+    parsed = keys.parse_key(keys.rank_key(chunk, 2, group=1))
+    assert (parsed.block_hash, parsed.rank, parsed.group) == (block_hash, 2, 1)
+    assert keys.parse_key(keys.rank_key(chunk, 2)).group == 0
+    assert keys.rank_key(chunk, 2, group=1) != keys.rank_key(chunk, 2)
+
+
 def test_the_record_key_parses_as_the_namespace_record() -> None:
     parsed = keys.parse_key(keys.record_key(PREFIX))
     assert parsed.is_record and parsed.namespace == f"tenant-a/{DIGEST}"
@@ -33,7 +42,17 @@ def test_the_record_key_parses_as_the_namespace_record() -> None:
 
 @pytest.mark.parametrize(
     "key",
-    [b"other/key", b"maru/", b"maru/t/short/x@0", PREFIX + b"no-rank", PREFIX + b"hash@x", PREFIX],
+    [
+        b"other/key",
+        b"maru/",
+        b"maru/t/short/x@0",
+        PREFIX + b"no-rank",
+        PREFIX + b"hash@x",
+        PREFIX + b"hash@0.",
+        PREFIX + b"hash@0.g",
+        PREFIX + "hash@\u00b2".encode(),
+        PREFIX,
+    ],
 )
 def test_keys_of_another_schema_are_not_taken_apart(key) -> None:
     assert keys.parse_key(key) is None

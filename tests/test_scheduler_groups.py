@@ -176,6 +176,17 @@ def test_without_per_request_failures_a_hybrid_turns_the_connector_off(harness, 
     assert h.connector.scheduler.store.disabled
 
 
+@needs_hybrid_loads
+def test_the_namespace_and_its_record_carry_the_group_structure(harness) -> None:
+    """A model with other groups never reads these chunks: another namespace."""
+    one, two = harness(("full",)), harness(("full", "window"))
+    assert one.connector.scheduler.key_prefix() != two.connector.scheduler.key_prefix()
+    assert two.connector.scheduler.record()["kv_groups"] == [
+        "full attention/32",
+        "sliding window/32/sliding_window=64/extra_retained_tokens=0",
+    ]
+
+
 def test_an_unknown_group_spec_is_named_never_guessed() -> None:
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,

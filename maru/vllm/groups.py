@@ -38,7 +38,10 @@ SPEC_KINDS = {
 }
 """Specs by exact class name (their subclasses, such as sink or chunked-local attention,
 keep other blocks) and the kind of group each makes."""
-SIGNATURE_FIELDS = ("sliding_window", "extra_retained_tokens", "shapes", "dtypes", "mamba_type")
+SIGNATURE_FIELDS = {
+    WINDOW: ("sliding_window", "extra_retained_tokens"),
+    STATE: ("shapes", "dtypes", "mamba_type"),
+}
 """What, besides kind and block size, makes one group's chunks another's (a window's
 size; a state's tensors and their dtypes, and the recurrence that made them)."""
 
@@ -130,9 +133,8 @@ def _group(index: int, group: Any) -> KVGroup:
 
 
 def _signature(kind: str, spec: Any) -> str:
-    described = [
-        f"{name}={getattr(spec, name)}" for name in SIGNATURE_FIELDS if hasattr(spec, name)
-    ]
+    fields = [name for name in SIGNATURE_FIELDS.get(kind, ()) if hasattr(spec, name)]
+    described = [f"{name}={getattr(spec, name)}" for name in fields]
     return "/".join([kind, str(spec.block_size), *described])
 
 
