@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 from maru.vllm import compat
 from maru.vllm.metadata import NULL_BLOCK
@@ -187,23 +186,17 @@ def test_the_namespace_and_its_record_carry_the_group_structure(harness) -> None
     ]
 
 
-def test_an_unknown_group_spec_is_named_never_guessed() -> None:
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-    )
-
-    from maru.vllm.groups import UnservedGroups, kv_groups
-
-    spec = ChunkedLocalAttentionSpec(
-        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, attention_chunk_size=64
-    )
-    config = KVCacheConfig(
-        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["c0"], spec)]
-    )
-    with pytest.raises(UnservedGroups, match=r"group 0 \(ChunkedLocalAttentionSpec of 1 layers\)"):
-        kv_groups(config, 32)
+def test_an_unknown_group_spec_turns_the_connector_off_naming_it(harness, caplog) -> None:
+    """Chunked local attention drops blocks by its own rule: never guessed at."""
+    with caplog.at_level(logging.ERROR, logger="vllm.maru"):
+        h = harness(("chunked",))
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "KV cache group 0 (ChunkedLocalAttentionSpec of 1 layers)" in errors[0]
+    _, metas = run(h, "a", 300)
+    _, again = run(h, "b", 300)
+    assert transfers(metas, "saves") == transfers(again, "loads") == []
+    assert h.stats["lookups"] == 0 and h.store.stats().objects == 0
 
 
 def test_chunk_tokens_must_end_on_every_groups_block_boundary() -> None:

@@ -66,19 +66,27 @@ def make_vllm_config(
     )
 
 
-GROUP_LAYERS = {"full": "f", "window": "s", "state": "m"}
+GROUP_LAYERS = {"full": "f", "window": "s", "state": "m", "chunked": "c"}
 
 
 def group_spec(kind: str, window: int = 64) -> Any:
     """A KV cache spec of one kind of group, as vLLM builds them: "full" attention, a
-    sliding "window", or a Mamba "state" (its prefix-caching "align" mode)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    sliding "window", a Mamba "state" (its prefix-caching "align" mode), or "chunked"
+    local attention (which maru does not serve)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     shape = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
     if kind == "full":
         return FullAttentionSpec(**shape)
     if kind == "window":
         return SlidingWindowSpec(**shape, sliding_window=window)
+    if kind == "chunked":
+        return ChunkedLocalAttentionSpec(**shape, attention_chunk_size=window)
     return MambaSpec(
         block_size=BLOCK_SIZE,
         shapes=((96, 3), (4, 32, 16)),
