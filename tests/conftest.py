@@ -94,6 +94,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
+@pytest.fixture
+def harness(tiny_model):
+    """Makes vLLM's real Scheduler with the maru connector (`tests.vllm_harness`), each
+    over a store of its own unless `pool` names one; closed at teardown."""
+    from tests.vllm_harness import SchedulerHarness
+
+    made = []
+
+    def make(**options):
+        made.append(SchedulerHarness(tiny_model, options.pop("pool", unique_name()), **options))
+        return made[-1]
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory):
     """A real redis-server on a free loopback port, evicting as the README recommends."""

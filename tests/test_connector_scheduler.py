@@ -14,19 +14,6 @@ from tests.vllm_harness import SchedulerHarness
 CHUNK = 64
 
 
-@pytest.fixture
-def harness(tiny_model):
-    made = []
-
-    def make(**options) -> SchedulerHarness:
-        made.append(SchedulerHarness(tiny_model, options.pop("pool", unique_name()), **options))
-        return made[-1]
-
-    yield make
-    for harness in made:
-        harness.close()
-
-
 def tokens(count: int, start: int = 1) -> list[int]:
     return list(range(start, start + count))
 

@@ -13,7 +13,6 @@ import pytest
 
 from maru.vllm import compat
 from maru.vllm.metadata import NULL_BLOCK
-from tests.conftest import unique_name
 from tests.vllm_harness import SchedulerHarness
 
 HYBRID_LOADS = compat.has_hook("get_transfer_results")
@@ -21,19 +20,6 @@ HYBRID_LOADS = compat.has_hook("get_transfer_results")
 needs_hybrid_loads = pytest.mark.skipif(
     not HYBRID_LOADS, reason="this vLLM takes no per-request load failures (tested below)"
 )
-
-
-@pytest.fixture
-def harness(tiny_model):
-    made = []
-
-    def make(groups: tuple[str, ...], **options) -> SchedulerHarness:
-        made.append(SchedulerHarness(tiny_model, unique_name(), groups=groups, **options))
-        return made[-1]
-
-    yield make
-    for harness in made:
-        harness.close()
 
 
 def tokens(count: int, start: int = 1) -> list[int]:
@@ -67,7 +53,7 @@ def assert_never_the_null_block(metas: list) -> None:
 
 @needs_hybrid_loads
 def test_a_sliding_window_hybrid_loads_only_the_window_before_the_hit(harness) -> None:
-    h = harness(("full", "window"))
+    h = harness(groups=("full", "window"))
     writer, written = run(h, "writer", 300)
     saved = by_group(transfers(written, "saves"))
     assert [len(t.block_ids) for t in saved[0]] == [2, 2, 2, 2]
@@ -86,7 +72,7 @@ def test_a_sliding_window_hybrid_loads_only_the_window_before_the_hit(harness) -
 def test_a_window_hit_needs_no_chunk_before_the_window(harness) -> None:
     """The store lost the first chunks' objects: full attention cannot hit, an all-window
     model can (it needs only the last window)."""
-    h = harness(("window",))
+    h = harness(groups=("window",))
     writer, _ = run(h, "writer", 300)
     keys = h.chunk_keys(writer)
     for key in keys[:2]:
@@ -99,7 +85,7 @@ def test_a_window_hit_needs_no_chunk_before_the_window(harness) -> None:
 
 def test_an_all_window_model_never_loads_into_the_null_block(harness) -> None:
     """One sliding-window group (Mistral-7B-v0.1 style): one group, so no HMA needed."""
-    h = harness(("window",))
+    h = harness(groups=("window",))
     _, written = run(h, "writer", 300)
     assert_never_the_null_block(written)
     _, metas = run(h, "reader", 300)
@@ -112,7 +98,7 @@ def test_an_all_window_model_never_loads_into_the_null_block(harness) -> None:
 def test_a_window_chunk_is_saved_before_vllm_drops_its_blocks(harness) -> None:
     """Prefill in 64-token steps: vLLM frees a window's blocks behind it as it goes, so
     each chunk's blocks are saved in the step that completes it, never later."""
-    h = harness(("window",), max_batched_tokens=64)
+    h = harness(groups=("window",), max_batched_tokens=64)
     _, metas = run(h, "writer", 300)
     saves = transfers(metas, "saves")
     assert len(saves) == 4
@@ -124,7 +110,7 @@ def test_a_window_chunk_is_saved_before_vllm_drops_its_blocks(harness) -> None:
 def test_a_mamba_hybrid_loads_one_state_at_the_hit(harness) -> None:
     """A Mamba group in vLLM's align mode, prefilled a block per step: each chunk's state
     is saved in the step that ends it; a hit loads the state at the hit only."""
-    h = harness(("full", "state"), max_batched_tokens=32)
+    h = harness(groups=("full", "state"), max_batched_tokens=32)
     _, written = run(h, "writer", 300)
     saved = by_group(transfers(written, "saves"))
     assert [len(t.block_ids) for t in saved[1]] == [1, 1, 1, 1]
@@ -142,7 +128,7 @@ def test_a_mamba_hybrid_loads_one_state_at_the_hit(harness) -> None:
 def test_a_hybrid_hit_is_where_every_group_can_be_served(harness) -> None:
     """The state after chunk 3 is lost: the hit falls back to chunk 2, where the full
     group's blocks and the state both are."""
-    h = harness(("full", "state"), max_batched_tokens=32)
+    h = harness(groups=("full", "state"), max_batched_tokens=32)
     writer, _ = run(h, "writer", 300)
     keys = h.chunk_keys(writer)
     for share in h.connector.scheduler.shares(keys[3], 1):
@@ -157,7 +143,7 @@ def test_a_hybrid_hit_is_where_every_group_can_be_served(harness) -> None:
 @needs_hybrid_loads
 def test_a_failed_hybrid_load_is_a_recompute_and_is_not_tried_again(harness) -> None:
     """With several groups vLLM takes only per-request failures of asynchronous loads."""
-    h = harness(("full", "window"))
+    h = harness(groups=("full", "window"))
     run(h, "writer", 300)
     h.failing_loads.add("reader")
     _, metas = run(h, "reader", 300)
@@ -169,7 +155,7 @@ def test_a_failed_hybrid_load_is_a_recompute_and_is_not_tried_again(harness) -> 
 @pytest.mark.skipif(HYBRID_LOADS, reason="this vLLM takes per-request load failures")
 def test_without_per_request_failures_a_hybrid_turns_the_connector_off(harness, caplog):
     with caplog.at_level(logging.ERROR, logger="vllm.maru"):
-        h = harness(("full", "window"))
+        h = harness(groups=("full", "window"))
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "cannot take a failed load of one request" in errors[0], errors
     assert h.connector.scheduler.store.disabled
@@ -178,7 +164,7 @@ def test_without_per_request_failures_a_hybrid_turns_the_connector_off(harness, 
 @needs_hybrid_loads
 def test_the_namespace_and_its_record_carry_the_group_structure(harness) -> None:
     """A model with other groups never reads these chunks: another namespace."""
-    one, two = harness(("full",)), harness(("full", "window"))
+    one, two = harness(groups=("full",)), harness(groups=("full", "window"))
     assert one.connector.scheduler.key_prefix() != two.connector.scheduler.key_prefix()
     assert two.connector.scheduler.record()["kv_groups"] == [
         "full attention/32",
@@ -189,7 +175,7 @@ def test_the_namespace_and_its_record_carry_the_group_structure(harness) -> None
 def test_an_unknown_group_spec_turns_the_connector_off_naming_it(harness, caplog) -> None:
     """Chunked local attention drops blocks by its own rule: never guessed at."""
     with caplog.at_level(logging.ERROR, logger="vllm.maru"):
-        h = harness(("chunked",))
+        h = harness(groups=("chunked",))
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
     assert "KV cache group 0 (ChunkedLocalAttentionSpec of 1 layers)" in errors[0]
