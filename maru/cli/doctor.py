@@ -30,7 +30,10 @@ FROM_VLLM = (
     "hash_seed_shared",
 )
 """Record fields only the vLLM configuration decides."""
-LAYOUT_NOTE = "known once an engine has allocated its KV cache"
+FROM_KV_CACHE = dict.fromkeys(
+    ("layout", "kv_groups"), "known once an engine has allocated its KV cache"
+)
+"""What only an engine's KV cache tells: its layout and its KV cache groups."""
 
 
 @dataclass
@@ -64,7 +67,7 @@ def expect(config_file: str | None, vllm_command: list[str]) -> Expectation:
     if not vllm_command:
         config = load_config(config_file)
         unknown = dict.fromkeys(FROM_VLLM, "needs the vLLM command line, after --")
-        return Expectation(config, _maru_fields(config), unknown | {"layout": LAYOUT_NOTE})
+        return Expectation(config, _maru_fields(config), unknown | FROM_KV_CACHE)
     from maru.vllm.command_line import expected_record, vllm_config_from_command
 
     vllm_config = vllm_config_from_command(vllm_command)
@@ -72,8 +75,9 @@ def expect(config_file: str | None, vllm_command: list[str]) -> Expectation:
     extra = dict(transfer.kv_connector_extra_config or {}) if transfer else {}
     config = load_config(config_file, extra_config=extra)
     record, advice = expected_record(vllm_config, config)
-    del record["layout"]
-    return Expectation(config, record, {"layout": LAYOUT_NOTE}, advice)
+    for name in FROM_KV_CACHE:
+        del record[name]
+    return Expectation(config, record, FROM_KV_CACHE, advice)
 
 
 def _maru_fields(config: MaruConfig) -> dict[str, Any]:

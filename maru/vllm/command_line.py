@@ -18,11 +18,13 @@ from maru.vllm.identity import hash_seed_advice, kv_identity, model_identity, na
 
 
 def expected_record(vllm_config: Any, config: MaruConfig) -> tuple[dict[str, Any], str | None]:
-    """The namespace record the scheduler half would write (its layout still unknown),
+    """The namespace record the scheduler half would write (its layout and KV cache
+    groups still unknown),
     and what would make block hashes match across processes, if they cannot."""
     init_none_hash(get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo))
     model = vllm_config.model_config
-    identity = kv_identity(vllm_config, config, "", model_identity(model.model, model.revision))
+    model_id = model_identity(model.model, model.revision)
+    identity = kv_identity(vllm_config, config, "", model_id, [])
     return namespace_record(vllm_config, config, identity), hash_seed_advice(vllm_config)
 
 

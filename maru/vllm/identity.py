@@ -81,9 +81,12 @@ def hub_snapshot(model: str, revision: str | None) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
-def kv_identity(vllm_config: Any, config: MaruConfig, layout: str, model_id: str) -> dict[str, Any]:
+def kv_identity(
+    vllm_config: Any, config: MaruConfig, layout: str, model_id: str, groups: list[str]
+) -> dict[str, Any]:
     """Everything besides the token hashes that changes the bytes of a chunk; the model
-    by what identifies its weights (`model_identity`), not by its path.
+    by what identifies its weights (`model_identity`), not by its path; the KV cache
+    groups by their signatures (`maru.vllm.groups`).
 
     Not the vLLM release: releases whose hashes and pages agree share. A release that
     hashes blocks differently makes other keys (and its seed, NONE_HASH, is here); one
@@ -95,6 +98,7 @@ def kv_identity(vllm_config: Any, config: MaruConfig, layout: str, model_id: str
         "dtype": str(model.dtype),
         "kv_dtype": str(cache.cache_dtype),
         "layout": layout,
+        "kv_groups": groups,
         "block_size": cache.block_size,
         "chunk_tokens": config.chunk_tokens,
         "tp_size": vllm_config.parallel_config.tensor_parallel_size,

@@ -188,9 +188,9 @@ class MaruScheduler:
     def identity(self) -> dict[str, Any]:
         """What the namespace's digest covers (`maru.vllm.identity.kv_identity`)."""
         groups = [group.signature for group in self.groups]
-        return kv_identity(self._vllm_config, self._config, self._layout, self.model_identity) | {
-            "kv_groups": groups
-        }
+        return kv_identity(
+            self._vllm_config, self._config, self._layout, self.model_identity, groups
+        )
 
     def key_prefix(self) -> bytes:
         """This instance's namespace: the key prefix of every chunk it loads and saves."""
