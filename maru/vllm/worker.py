@@ -162,9 +162,8 @@ class MaruWorker:
             name: index for index, path in self.paths.items() for name in path.adapter.layers
         }
         self.fingerprint = "+".join(path.adapter.fingerprint for path in self.paths.values())
-        path = next(iter(self.paths.values()))
         store = self.store.available()  # at start-up: a new pool is set up here, not in a request
-        if path.on_device and store is not None and store.zero_copy:
+        if self._on_device and store is not None and store.zero_copy:
             self.pinned = pin(store.host_memory())
         for index, path in self.paths.items():
             log.info(
@@ -191,6 +190,11 @@ class MaruWorker:
             )
         return {name: kv_caches[name] for name in group.layer_names}
 
+    @property
+    def _on_device(self) -> bool:
+        """The KV cache is on a device (every group's: they share one buffer)."""
+        return any(path.on_device for path in self.paths.values())
+
     def handshake(self) -> MaruHandshake:
         return MaruHandshake(self.fingerprint)
 
@@ -202,8 +206,7 @@ class MaruWorker:
 
     def _host_direct(self, store: Backend) -> bool:
         """Can copies use the store's memory itself (else a staging buffer)?"""
-        path = next(iter(self.paths.values()))
-        return not path.on_device or (store.zero_copy and self.pinned)
+        return not self._on_device or (store.zero_copy and self.pinned)
 
     # loads
 
@@ -231,10 +234,6 @@ class MaruWorker:
             self.loaded_requests.update(t.req_id for t in transfers)
         if self.paths and not self._on_device:
             self._finish_loads()
-
-    @property
-    def _on_device(self) -> bool:
-        return any(path.on_device for path in self.paths.values())
 
     def _open(self, transfer: ChunkTransfer) -> PendingLoad | None:
         """The chunk's object, checked, as host memory the copies can read; None if absent,
