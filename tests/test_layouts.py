@@ -55,6 +55,10 @@ ROWS = {
     "mla>=0.29 (NB,1,BS,C)": lambda: torch.zeros(NB, 1, BS, 576, dtype=torch.bfloat16),
     # fp8 caches are stored as uint8
     "fp8 (NB,H,BS,2D)": lambda: torch.zeros(NB, H, BS, 2 * D, dtype=torch.uint8),
+    # Mamba / linear-attention state >= 0.32: raw int8 pages padded to the attention page
+    "mamba>=0.32 (NB,1,1,S) int8": lambda: torch.as_strided(
+        torch.zeros(NB, 8192, dtype=torch.int8), (NB, 1, 1, 5000), (8192, 5000, 5000, 1)
+    ),
 }
 
 
