@@ -64,6 +64,9 @@ DONE = Marker()
 class CopyQueue:
     """Copies run at once, in the caller's thread: the CPU, which has no streams."""
 
+    synchronous = True
+    """Every copy is done when `run` returns."""
+
     def after_compute(self) -> None:
         """Copies queued from now on start after the compute work issued so far."""
 
@@ -93,6 +96,8 @@ class CudaEventMarker(Marker):
 
 class CudaQueue(CopyQueue):
     """Copies on a side stream of the cache's CUDA device, beside the forward."""
+
+    synchronous = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

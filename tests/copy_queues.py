@@ -14,6 +14,8 @@ from maru.transfer import CopyQueue, Marker
 
 
 class DeferredQueue(CopyQueue):
+    synchronous = False
+
     def __init__(self, meanwhile: Callable[[], None] | None = None) -> None:
         self.queued: list[Callable[[], None]] = []
         self.ran = 0

@@ -147,6 +147,29 @@ def test_one_batched_lookup_per_request(harness, monkeypatch) -> None:
     assert calls == [9], "all 9 whole chunks of the prompt in one call"
 
 
+def test_asking_again_for_a_request_it_could_not_schedule_has_no_side_effects(
+    harness, monkeypatch
+) -> None:
+    """vLLM asks again every step while a request waits for blocks: one lookup answers,
+    and its misses are counted once, when vLLM allocates the request."""
+    h = harness(num_blocks=16)  # room for one 300-token request at a time
+    h.add("first", tokens(300), max_tokens=6)
+    h.step()
+    calls = []
+    store = h.connector.scheduler.store.available()
+    original = store.contains
+    monkeypatch.setattr(store, "contains", lambda keys: calls.append(len(keys)) or original(keys))
+    h.add("second", tokens(300, start=1000))
+    for _ in range(3):
+        h.step()
+        assert h.scheduler.requests["second"].num_computed_tokens == 0, "still waiting"
+    assert calls == [4], "one lookup of its 4 chunks"
+    assert h.stats["miss_tokens"] == 256, "the first's misses; the second's not yet"
+    while "second" in h.scheduler.requests:
+        h.step()
+    assert h.stats["miss_tokens"] == 512
+
+
 def test_chunked_prefill_saves_each_chunk_in_the_step_it_completes(harness) -> None:
     h = harness(max_batched_tokens=96)
     h.add("a", tokens(300))
@@ -208,14 +231,30 @@ def test_chunk_tokens_must_be_a_multiple_of_the_block_size(tiny_model) -> None:
         SchedulerHarness(tiny_model, unique_name(), chunk_tokens=48)
 
 
-def test_a_request_that_saved_keeps_its_blocks_until_its_saves_are_done(harness) -> None:
+def test_on_a_device_a_request_that_saved_keeps_its_blocks_until_its_saves_are_done(
+    harness,
+) -> None:
     h = harness()
+    h.connector.scheduler.saves_hold_blocks = True  # as on a device: copies beside the forward
     free = h.free_blocks()
     h.add("a", tokens(300))
     h.step()
     assert "a" not in h.scheduler.requests or h.scheduler.requests["a"].is_finished()
     assert h.free_blocks() < free, "its saves may still be copying from its blocks"
     h.step()  # the worker reports the saves done
+    assert h.free_blocks() == free
+
+
+def test_on_the_cpu_a_request_that_saved_frees_its_blocks_at_once(harness) -> None:
+    """The CPU's saves are committed within the step: nothing to wait for (vLLM's own
+    prefix cache can then be reset right after traffic)."""
+    h = harness()
+    assert not h.connector.scheduler.saves_hold_blocks
+    free = h.free_blocks()
+    h.add("a", tokens(300))
+    _, meta = h.step()
+    assert len(meta.saves) == 4
+    assert "a" not in h.scheduler.requests
     assert h.free_blocks() == free
 
 
@@ -401,3 +440,38 @@ def test_a_release_without_the_optional_hooks_still_shares_and_says_so(
     h.add("second", tokens(300))
     _, meta = h.step()
     assert len(meta.loads) == 4, "it still shares"
+
+
+def test_a_producer_saves_and_does_not_load(harness) -> None:
+    """kv_role kv_producer (a prefill instance): what it computes is for its consumers."""
+    h = harness(kv_role="kv_producer")
+    h.add("a", tokens(300))
+    _, meta = h.step()
+    assert len(meta.saves) == 4
+    h.add("b", tokens(300))
+    _, again = h.step()
+    assert (again.loads, again.saves) == ([], []), "stored already: nothing to save"
+
+
+def test_a_producer_loads_when_asked_to(harness) -> None:
+    h = harness(kv_role="kv_producer", settings={"producer_loads": True})
+    h.add("a", tokens(300))
+    h.step()
+    h.add("b", tokens(300))
+    _, meta = h.step()
+    assert len(meta.loads) == 4
+
+
+def test_a_consumer_loads_and_never_saves(harness) -> None:
+    """kv_role kv_consumer (a decode instance) loads its producers' chunks."""
+    pool = unique_name()
+    producer = harness(pool=pool, kv_role="kv_producer")
+    consumer = harness(pool=pool, kv_role="kv_consumer")
+    consumer.add("own", tokens(300, start=1000))
+    _, computed = consumer.step()
+    assert computed.saves == [], "what it computes alone is not saved"
+    producer.add("a", tokens(300))
+    producer.step()
+    consumer.add("b", tokens(300))
+    _, meta = consumer.step()
+    assert len(meta.loads) == 4 and meta.saves == []

@@ -407,10 +407,21 @@ def test_a_save_is_committed_and_its_blocks_released_only_once_copied(tiny_model
 
 
 def test_requests_without_saves_are_not_reported(tiny_model, pool) -> None:
-    writer = worker(tiny_model, pool, kv_caches(1))
+    queue = DeferredQueue()
+    writer = worker(tiny_model, pool, kv_caches(1), queue=queue)
     run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7], req_id="r")]))
+    queue.drain()
     assert writer.get_finished({"r", "other"}) == ({"r"}, None)
     assert writer.get_finished({"r"}) == (None, None), "reported once"
+
+
+def test_on_the_cpu_saves_are_done_within_the_step_and_never_reported(tiny_model, pool) -> None:
+    """The scheduler frees a finished request's blocks at once (nothing to wait for)."""
+    writer = worker(tiny_model, pool, kv_caches(1))
+    run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7], req_id="r")]))
+    with maru.open_store(backend="mock", mock={"name": pool}) as store:
+        assert store.contains([rank_key(b"k0", 0)]) == [True]
+    assert writer.get_finished({"r"}) == (None, None)
 
 
 def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model, pool_names) -> None:

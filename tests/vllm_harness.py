@@ -28,6 +28,7 @@ def make_vllm_config(
     num_blocks: int = 200,
     max_batched_tokens: int = 2048,
     kv_events: bool = False,
+    kv_role: str = "kv_both",
 ) -> Any:
     """A VllmConfig for the tiny model with MaruKVConnector configured by `extra` (and,
     with `kv_events`, KV events published to a publisher that drops them)."""
@@ -58,7 +59,7 @@ def make_vllm_config(
         kv_transfer_config=KVTransferConfig(
             kv_connector="MaruKVConnector",
             kv_connector_module_path="maru.connector",
-            kv_role="kv_both",
+            kv_role=kv_role,
             kv_connector_extra_config=extra,
         ),
         device_config=DeviceConfig("cpu"),
@@ -138,6 +139,8 @@ class SchedulerHarness:
         backend: str = "mock",
         kv_events: bool = False,
         groups: tuple[str, ...] = ("full",),
+        kv_role: str = "kv_both",
+        settings: dict[str, Any] | None = None,
     ) -> None:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -146,12 +149,14 @@ class SchedulerHarness:
 
         options = {"name": pool, **(mock or {})} if backend == "mock" else {"name": pool}
         extra = {"backend": backend, "chunk_tokens": chunk_tokens, backend: options}
+        extra.update(settings or {})
         vllm_config = make_vllm_config(
             model_dir,
             extra,
             num_blocks=num_blocks,
             max_batched_tokens=max_batched_tokens,
             kv_events=kv_events,
+            kv_role=kv_role,
         )
         kv_cache_config = make_kv_cache_config(num_blocks, groups)
         if "state" in groups:  # what vLLM sets for a Mamba hybrid with prefix caching
@@ -206,7 +211,8 @@ class SchedulerHarness:
         meta = output.kv_connector_metadata
         for save in meta.saves:
             self.store.put(rank_key(save.key, 0, save.group), b"pages")
-            self.saving.add(save.req_id)
+            if self.connector.scheduler.saves_hold_blocks:  # the worker reports them done
+                self.saving.add(save.req_id)
         saved = output.finished_req_ids & self.saving
         self.saving -= saved
         loaded = (

@@ -137,6 +137,7 @@ def start_engine(
     llm_kwargs: dict[str, Any] | None = None,
     timeout_s: float = 900.0,
     log_path: str | os.PathLike[str] | None = None,
+    reset_after: dict[str, Any] | None = None,
 ) -> EngineProcess:
     """Start a fresh vLLM engine in a spawned process that runs `prompts`.
 
@@ -153,6 +154,8 @@ def start_engine(
     as one batch. `enforce_eager` skips torch.compile, which costs minutes on CPU.
     `llm_kwargs` are passed on to `vllm.LLM` and override the ones set here.
     With `log_path`, the engine's output (vLLM logs, warnings) goes to that file.
+    With `reset_after`, `llm.reset_prefix_cache(**reset_after)` runs once every prompt
+    has, and what it returned is `extra["reset"]`.
 
     Uses the `spawn` start method, so a calling script needs an
     `if __name__ == "__main__":` guard (pytest needs none). Raises `EngineRunError`
@@ -173,6 +176,7 @@ def start_engine(
         "enforce_eager": enforce_eager,
         "llm_kwargs": dict(llm_kwargs or {}),
         "log_path": str(log_path) if log_path else None,
+        "reset_after": reset_after,
     }
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -359,6 +363,7 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         external = [None] * len(prompts)
     generate_s = time.perf_counter() - t1
+    reset = llm.reset_prefix_cache(**job["reset_after"]) if job["reset_after"] else None
 
     ttft: list[float | None] = []
     for out in outputs:
@@ -366,7 +371,7 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
         latency = getattr(stats, "first_token_latency", None)
         ttft.append(float(latency) if latency else None)
 
-    extra: dict[str, Any] = {"vllm_version": vllm.__version__}
+    extra: dict[str, Any] = {"vllm_version": vllm.__version__, "reset": reset}
     cache_config = llm.llm_engine.vllm_config.cache_config
     extra["block_size"] = cache_config.block_size
     extra["num_gpu_blocks"] = cache_config.num_gpu_blocks
@@ -408,7 +413,12 @@ def _connector_halves(llm: Any) -> list[Any]:
     halves = [llm.llm_engine.engine_core.engine_core.scheduler.connector]
     if has_kv_transfer_group():
         halves.append(get_kv_transfer_group())
-    return halves
+    return [child for connector in halves for child in _children(connector)]
+
+
+def _children(connector: Any) -> list[Any]:
+    """A connector, or the connectors a MultiConnector combines."""
+    return list(getattr(connector, "_connectors", None) or [connector])
 
 
 def _connector_description(llm: Any) -> dict[str, Any]:

@@ -131,6 +131,11 @@ class MaruConfig(BaseModel):
     error_backoff: float = Field(
         10.0, ge=0, description="seconds the vLLM connector skips the store after an error"
     )
+    producer_loads: bool = Field(
+        False,
+        description="with vLLM's kv_role kv_producer, also load what the store holds "
+        "(a producer saves only, by default)",
+    )
     config_file: Path | None = Field(None, description="YAML, TOML or JSON file to read")
 
     def __init__(self, /, **data: Any) -> None:

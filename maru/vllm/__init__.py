@@ -14,6 +14,8 @@ two halves, kept apart as vLLM keeps them apart:
 - `stats` and `metrics`: every statistic in one table, the connector's stats and
   Prometheus metrics made from it;
 - `events`: KV events for routers;
+- `groups`: the KV cache groups maru serves, and what a chunk stores of each;
+- `registration`: the connector's name in vLLM's connector factory (an entry point);
 - `compat`: what differs between vLLM releases;
 - `command_line`: an instance as a `vllm serve` command line would start it (`maru doctor`).
 

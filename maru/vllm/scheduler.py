@@ -54,6 +54,10 @@ log = get_logger(__name__)
 
 RECORD_REFRESH_S = 60.0
 """How often an active instance refreshes its namespace record's time of activity."""
+LOOKUP_REUSE_S = 1.0
+"""How long a request's lookup answers vLLM asking again with the same local hit (a
+request it could not schedule yet): lookups have no side effects, and cost a round trip
+on a remote store."""
 GAUGES_REFRESH_S = 1.0
 """How often the store's own figures are read for the gauges (a remote store's cost a
 round trip)."""
@@ -77,6 +81,11 @@ class RequestState:
     """A save was planned: the worker reports when it is done, and vLLM keeps the blocks
     until then."""
     loads: list[ChunkTransfer] = field(default_factory=list)
+    hit_chunks: int = 0
+    """The lookup's answer: chunks at whose end every group can be served."""
+    looked_up_at: float = field(default_factory=time.monotonic)
+    allocated: bool = False
+    """vLLM allocated the request's blocks: its lookup's outcome is counted."""
 
 
 class MaruScheduler:
@@ -114,6 +123,14 @@ class MaruScheduler:
         self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         """Tokens per entry of `request.block_hashes`."""
         self.loads_async = loads_async(self.groups)
+        role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
+        self.loads = role != "kv_producer" or config.producer_loads
+        self.saves = role != "kv_consumer"
+        """What vLLM's kv_role lets this instance do: a producer (prefill) saves, a
+        consumer (decode) loads, kv_both both."""
+        self.saves_hold_blocks = vllm_config.device_config.device_type != "cpu"
+        """A finished request's blocks wait for its saves' copies (on a device they run
+        beside the forward; on the CPU they are done within the step)."""
         store = self.store.available()  # at start-up: a new pool is set up here, not in a request
         self.medium = store.medium if store is not None else "remote"
         """Where the store's bytes live (`Backend.medium`), for vLLM's hit sources."""
@@ -254,19 +271,33 @@ class MaruScheduler:
         """
         if self.store.disabled:  # nothing to load, and no worker could save
             return 0
+        state = self.requests.get(request.request_id)
+        if state is None or not self._answers(state, num_computed_tokens):
+            state = self._look_up(request, num_computed_tokens)
+            self.requests[request.request_id] = state
+        return max(0, self._hit_tokens(request, state.hit_chunks) - num_computed_tokens)
+
+    def _answers(self, state: RequestState, num_computed_tokens: int) -> bool:
+        """Does a request's earlier lookup answer vLLM asking again?"""
+        return (
+            not state.allocated
+            and state.local_tokens == num_computed_tokens
+            and time.monotonic() - state.looked_up_at < LOOKUP_REUSE_S
+        )
+
+    def _look_up(self, request: Any, num_computed_tokens: int) -> RequestState:
+        """Which of the request's chunks the store holds, in one batched lookup."""
         chunk_keys = self.chunk_keys(request)
         local = num_computed_tokens // self.chunk_tokens
         stored = self._stored(chunk_keys)
         if stored is None:  # no answer: take vLLM's own chunks as stored, save the rest
             stored = [[chunk < local for chunk in range(len(chunk_keys))] for _ in self.groups]
-        self.requests[request.request_id] = RequestState(
-            request, chunk_keys, stored, local_tokens=num_computed_tokens
+        state = RequestState(request, chunk_keys, stored, local_tokens=num_computed_tokens)
+        loads = self.loads and request.request_id not in self.failed_loads
+        state.hit_chunks = (
+            self._hit_chunks(request, stored, num_computed_tokens) if loads else local
         )
-        if request.request_id in self.failed_loads:
-            return 0
-        hit_chunks = self._hit_chunks(request, stored, num_computed_tokens)
-        self.stats.add(MISS_TOKENS, (len(chunk_keys) - hit_chunks) * self.chunk_tokens)
-        return max(0, self._hit_tokens(request, hit_chunks) - num_computed_tokens)
+        return state
 
     def _hit_tokens(self, request: Any, chunks: int) -> int:
         """Tokens a hit of `chunks` whole chunks lets vLLM skip (never the last prompt
@@ -336,6 +367,12 @@ class MaruScheduler:
             return
         state.block_ids = [list(ids) for ids in block_ids]
         state.loads = []
+        if not state.allocated:  # the lookup's outcome, counted once
+            state.allocated = True
+            missed = len(state.keys) - max(
+                state.hit_chunks, state.local_tokens // self.chunk_tokens
+            )
+            self.stats.add(MISS_TOKENS, missed * self.chunk_tokens)
         if num_external_tokens <= 0:
             return
         self.stats.add(HIT_TOKENS, num_external_tokens)
@@ -398,7 +435,7 @@ class MaruScheduler:
     def _plan(self, state: RequestState, computed: int, meta: MaruConnectorMetadata) -> None:
         """Plan the save of every chunk that completes with `computed` tokens, per group:
         what the group stores of it, if vLLM still holds all of it."""
-        complete = min(computed // self.chunk_tokens, len(state.keys))
+        complete = min(computed // self.chunk_tokens, len(state.keys)) if self.saves else 0
         for chunk in range(state.planned_chunks, complete):
             for group in self.groups:
                 block_ids = self._saved_blocks(state, group, chunk, computed)
@@ -449,7 +486,10 @@ class MaruScheduler:
         its saves done (`get_finished`)."""
         state = self.requests.pop(request.request_id, None)
         self.failed_loads.discard(request.request_id)
-        return state is not None and state.saving
+        saving = state is not None and state.saving
+        if saving and not self.saves_hold_blocks:
+            self.saves_settled({request.request_id})
+        return saving and self.saves_hold_blocks
 
     def close(self) -> None:
         log.info("maru: scheduler half since start-up: %s", self.stats.lifetime)

@@ -421,8 +421,11 @@ class MaruWorker:
         self.store.failed(exc)
 
     def expect_saves(self, transfers: list[ChunkTransfer]) -> None:
-        """Note the requests these saves belong to (the scheduler holds their blocks)."""
-        self.saving_requests.update(t.req_id for t in transfers)
+        """Note the requests these saves belong to, where copies run beside the forward
+        (the scheduler holds their blocks until they are done); on the CPU they are done
+        within the step, and the blocks free at once."""
+        if not all(path.queue.synchronous for path in self.paths.values()):
+            self.saving_requests.update(t.req_id for t in transfers)
 
     def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
         """Finished requests whose saves are all committed (or dropped): vLLM may free

