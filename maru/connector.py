@@ -219,6 +219,10 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
         if fingerprints:
             self.scheduler.set_layout(fingerprints)
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """The handshakes of every (pipeline stage, tensor-parallel rank)."""
+        self.set_xfer_handshake_metadata(dict(enumerate(metadata.values())))
+
     def take_events(self) -> list[Any]:
         return self.scheduler_half.take_events() if self.scheduler_half else []
 

@@ -475,3 +475,17 @@ def test_a_consumer_loads_and_never_saves(harness) -> None:
     consumer.add("b", tokens(300))
     _, meta = consumer.step()
     assert len(meta.loads) == 4 and meta.saves == []
+
+
+def test_every_pipeline_stages_layout_goes_into_the_namespace(harness) -> None:
+    """vLLM hands the handshakes keyed by (pipeline stage, tensor-parallel rank); its
+    default refuses stages past the first."""
+    from maru.vllm.metadata import MaruHandshake
+
+    h = harness()
+    scheduler = h.connector.scheduler
+    h.connector.set_xfer_handshake_metadata_pp_aware(
+        {(0, 0): MaruHandshake("stage0"), (1, 0): MaruHandshake("stage1")}
+    )
+    assert scheduler.identity()["layout"] == "stage0,stage1"
+    assert scheduler.record()["pp_size"] == 1 and scheduler.shares_per_chunk == 1

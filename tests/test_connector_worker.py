@@ -37,6 +37,7 @@ def worker(
     caches: dict[str, torch.Tensor],
     *,
     tp_size: int = 1,
+    pp_size: int = 1,
     settings: dict | None = None,
     queue=None,
     **mock,
@@ -53,6 +54,7 @@ def worker(
     }
     config = make_vllm_config(tiny_model, extra)
     config.parallel_config.tensor_parallel_size = tp_size
+    config.parallel_config.pipeline_parallel_size = pp_size
     connector = MaruKVConnector(
         config,
         KVConnectorRole.WORKER,
@@ -360,6 +362,28 @@ def test_a_store_that_cannot_open_as_configured_turns_the_worker_off_once(
     ]
     assert len(messages) == 1 and "ConfigError" in messages[0], messages
     assert "worker half is off" in messages[0] and "capacity" in messages[0]
+
+
+def test_each_pipeline_stage_stores_and_loads_its_own_share(tiny_model, pool, monkeypatch):
+    """Two stages of one tensor-parallel rank each hold other layers: one chunk is two
+    objects (`@0`, `@1`), and each stage loads its own."""
+    monkeypatch.setattr("maru.vllm.worker.tensor_parallel_rank", lambda: 0)
+    written = {}
+    for stage in (0, 1):
+        monkeypatch.setattr("maru.vllm.worker.pipeline_parallel_rank", lambda s=stage: s)
+        written[stage] = kv_caches(10 * stage + 1)
+        writer = worker(tiny_model, pool, written[stage], pp_size=2)
+        run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7])]))
+    with maru.open_store(backend="mock", mock={"name": pool}) as store:
+        assert store.contains([rank_key(b"k0", 0), rank_key(b"k0", 1)]) == [True, True]
+    for stage in (1, 0):
+        monkeypatch.setattr("maru.vllm.worker.pipeline_parallel_rank", lambda s=stage: s)
+        target = kv_caches(None)
+        reader = worker(tiny_model, pool, target, pp_size=2)
+        assert (
+            run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])])) == set()
+        )
+        assert same_blocks(written[stage], [3, 7], target, [11, 12])
 
 
 def test_an_unknown_rank_with_tensor_parallelism_turns_the_worker_off(

@@ -104,6 +104,16 @@ def recompute_failed_loads(vllm_config: Any) -> None:
         transfer.kv_load_failure_policy = "recompute"
 
 
+def pipeline_parallel_rank() -> int | None:
+    """This worker's pipeline stage; None when vLLM cannot tell (no distributed setup)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().rank_in_group
+    except Exception:
+        return None
+
+
 def tensor_parallel_rank() -> int | None:
     """This worker's tensor-parallel rank; None when vLLM cannot tell (no distributed setup)."""
     try:

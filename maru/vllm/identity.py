@@ -102,6 +102,7 @@ def kv_identity(
         "block_size": cache.block_size,
         "chunk_tokens": config.chunk_tokens,
         "tp_size": vllm_config.parallel_config.tensor_parallel_size,
+        "pp_size": vllm_config.parallel_config.pipeline_parallel_size,
         "hash_algorithm": getattr(cache, "prefix_caching_hash_algo", "unknown"),
         "hash_seed": none_hash_hex(),
     }

@@ -1,6 +1,7 @@
 """The key schema: every key and object header maru writes is built and parsed here.
 
-    maru/<tenant>/<digest>/<block hash>@<rank>    one tensor-parallel rank's share of a chunk
+    maru/<tenant>/<digest>/<block hash>@<rank>    one worker's share of a chunk (its rank:
+                                                  pp_rank * tp_size + tp_rank)
     maru/<tenant>/<digest>/<block hash>@<rank>.<group>    the same, of KV cache group > 0
     maru/<tenant>/<digest>/.namespace             the namespace's record (JSON)
 

@@ -94,7 +94,9 @@ class MaruScheduler:
     def __init__(self, vllm_config: Any, config: MaruConfig, kv_cache_config: Any = None) -> None:
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = config.chunk_tokens
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        parallel = vllm_config.parallel_config
+        self.shares_per_chunk = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        """One object per chunk, group and worker (pipeline stage x tensor-parallel rank)."""
         self.stats = MaruConnectorStats()
         self.store = StoreGuard(config, "scheduler", self.stats)
         self.requests: dict[str, RequestState] = {}
@@ -354,8 +356,9 @@ class MaruScheduler:
         return [[next(held) for _ in chunk_keys] for _ in self.groups]
 
     def shares(self, key: bytes, group: int = 0) -> list[bytes]:
-        """A chunk key's objects of one group in the store: one per tensor-parallel rank."""
-        return [keys.rank_key(key, rank, group) for rank in range(self.tp_size)]
+        """A chunk key's objects of one group in the store: one per worker (pipeline stage
+        and tensor-parallel rank)."""
+        return [keys.rank_key(key, rank, group) for rank in range(self.shares_per_chunk)]
 
     def update_state_after_alloc(
         self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int

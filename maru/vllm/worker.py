@@ -31,7 +31,7 @@ from maru.transfer import (
     host_tensor,
     pin,
 )
-from maru.vllm.compat import tensor_parallel_rank
+from maru.vllm.compat import pipeline_parallel_rank, tensor_parallel_rank
 from maru.vllm.groups import FULL, KVGroup, UnservedGroups, kv_groups, loads_async
 from maru.vllm.guard import StoreGuard
 from maru.vllm.keys import HEADER_BYTES, object_header, rank_key
@@ -105,13 +105,9 @@ class MaruWorker:
         self.chunk_tokens = config.chunk_tokens
         self.stats = MaruConnectorStats()
         self.store = StoreGuard(config, "worker", self.stats)
-        rank, tp_size = tensor_parallel_rank(), vllm_config.parallel_config.tensor_parallel_size
-        if rank is None and tp_size > 1:  # guessing 0 would load rank 0's share everywhere
-            self.store.disable(
-                f"this worker's tensor-parallel rank is unknown with "
-                f"tensor_parallel_size = {tp_size}"
-            )
-        self.rank = rank or 0
+        self.rank = self._share(vllm_config.parallel_config)
+        """This worker's share of every chunk: its pipeline stage and tensor-parallel rank
+        (`pp_rank * tensor_parallel_size + tp_rank`)."""
         self._make_transfers = transfers
         self.paths: dict[int, DataPath] = {}
         """Per KV cache group, its data path, once `register_kv_caches` recognised the
@@ -131,6 +127,21 @@ class MaruWorker:
         self.saving_requests: set[str] = set()
         """Requests with a planned save: their blocks are freed once they are reported."""
         self.finishing: set[str] = set()
+
+    def _share(self, parallel: Any) -> int:
+        """This worker's share index; with an unknown rank the store is off (guessing 0
+        would load rank 0's share everywhere)."""
+        tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        ranks = {
+            "tensor-parallel": (tensor_parallel_rank(), tp_size),
+            "pipeline-parallel": (pipeline_parallel_rank(), pp_size),
+        }
+        for kind, (rank, size) in ranks.items():
+            if rank is None and size > 1:
+                self.store.disable(
+                    f"this worker's {kind} rank is unknown with a {kind} size of {size}"
+                )
+        return (ranks["pipeline-parallel"][0] or 0) * tp_size + (ranks["tensor-parallel"][0] or 0)
 
     @property
     def served(self) -> bool:
