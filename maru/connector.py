@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from maru.config import load_config
 from maru.transfer import DataPath
 from maru.vllm import compat
-from maru.vllm.metadata import MaruConnectorMetadata, MaruHandshake
+from maru.vllm.metadata import MaruConnectorMetadata, MaruHandshake, MaruWorkerMeta
 from maru.vllm.scheduler import MaruScheduler
 from maru.vllm.stats import MaruConnectorStats
 from maru.vllm.worker import DataPathFactory, MaruWorker
@@ -125,6 +125,11 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def get_handshake_metadata(self) -> MaruHandshake | None:
         return self.worker_half.handshake() if self.worker_half else None
 
+    def build_connector_worker_meta(self) -> MaruWorkerMeta | None:
+        if self.worker_half is None:
+            return None
+        return MaruWorkerMeta(frozenset({self.worker_half.fingerprint}))
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker_half is not None and connector_metadata.saves:
@@ -200,6 +205,9 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
         if self.scheduler_half is not None:
             self.scheduler_half.saves_settled(set(connector_output.finished_sending or ()))
             self.scheduler_half.loads_failed(set(getattr(connector_output, "failed_recving", ())))
+            worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(worker_meta, MaruWorkerMeta):
+                self.scheduler_half.set_layout(set(worker_meta.layout_fingerprints))
 
     def request_finished(
         self, request: Any, block_ids: list[int]

@@ -366,9 +366,9 @@ def test_chunks_another_process_evicts_are_removed_through_the_log(
 
     pool = pool_names()
     h = harness(kv_events=True, backend="shm", pool=pool)
-    monkeypatch.setattr(maru.Backend, "keys", lambda *_: pytest.fail("the store was scanned"))
     request = h.add("a", tokens(300))
-    h.step()
+    h.step()  # its first lookup compares the namespaces in the store (a scan, once)
+    monkeypatch.setattr(maru.Backend, "keys", lambda *_: pytest.fail("the store was scanned"))
     keys = [rank_key(key, 0) for key in h.chunk_keys(request)]
     evictor = multiprocessing.get_context("spawn").Process(
         target=evict_from_shm, args=(pool, keys[2:])
@@ -489,3 +489,35 @@ def test_every_pipeline_stages_layout_goes_into_the_namespace(harness) -> None:
     )
     assert scheduler.identity()["layout"] == "stage0,stage1"
     assert scheduler.record()["pp_size"] == 1 and scheduler.shares_per_chunk == 1
+
+
+def test_without_its_workers_layout_it_neither_looks_up_nor_saves(harness, caplog) -> None:
+    """Behind another connector in MultiConnector the handshake may be that connector's:
+    maru's namespace is then unknown, and guessing it could load another layout's pages."""
+    h = harness(layout=None)
+    with caplog.at_level(logging.WARNING, logger="vllm.maru"):
+        h.add("a", tokens(300))
+        _, meta = h.step()
+    assert meta.saves == [] and h.stats["lookups"] == 0
+    assert "no worker has said its KV layout yet" in caplog.text
+
+
+@pytest.mark.skipif(
+    vllm_harness.compat_worker_meta() is None, reason="this vLLM has no per-connector channel"
+)
+def test_the_layout_arrives_on_the_per_connector_worker_channel(harness) -> None:
+    """What MultiConnector passes to each child, whatever the handshake was."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from maru.vllm.metadata import MaruWorkerMeta
+
+    h = harness(layout=None)
+    h.connector.set_xfer_handshake_metadata({0: KVConnectorHandshakeMetadata()})
+    h.connector.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=MaruWorkerMeta(frozenset({"layout-1"})))
+    )
+    assert h.connector.scheduler.identity()["layout"] == "layout-1"
+    h.add("a", tokens(300))
+    _, meta = h.step()
+    assert len(meta.saves) == 4

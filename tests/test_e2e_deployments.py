@@ -82,3 +82,17 @@ def test_maru_as_a_child_of_multiconnector(tiny_model, pool_names, tmp_path, own
     assert metrics["vllm:maru_hit_tokens"] == LOADED, "maru's Prometheus metrics"
     assert reader.external_cached_tokens == [LOADED]
     assert reader.token_ids == own_hit.token_ids[1:]
+
+
+@pytest.mark.parametrize("reset_connector", [False, True])
+def test_a_reset_right_after_traffic_resets_vllms_cache(tiny_model, pool_names, reset_connector):
+    """The RL pattern: update weights, then reset the prefix cache. On the CPU maru's saves
+    are committed within the step, so nothing holds a finished request's blocks (it
+    did: `reset_prefix_cache()` returned False after `generate`); the store is reset only
+    with `reset_connector`."""
+    config = maru(pool_names())
+    reset = {"reset_connector": reset_connector}
+    writer = run_engine(tiny_model, [PROMPT], kv_transfer_config=config, reset_after=reset)
+    assert writer.extra["reset"] is True
+    reader = run_engine(tiny_model, [PROMPT], kv_transfer_config=config)
+    assert reader.external_cached_tokens == [0 if reset_connector else LOADED]

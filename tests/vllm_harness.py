@@ -15,7 +15,7 @@ import torch
 
 import maru
 from maru.vllm.keys import rank_key
-from maru.vllm.metadata import MaruConnectorMetadata
+from maru.vllm.metadata import MaruConnectorMetadata, MaruHandshake
 from maru.vllm.stats import COUNTED
 
 BLOCK_SIZE = 32
@@ -117,6 +117,14 @@ def request_parameters() -> set[str]:
     return set(inspect.signature(Request).parameters)
 
 
+def compat_worker_meta() -> Any:
+    """vLLM's per-connector worker metadata class; None where the release has none."""
+    from maru.vllm import compat
+
+    worker_meta = compat.KVConnectorWorkerMetadata
+    return None if worker_meta is object else worker_meta
+
+
 def failures(req_ids: set[str]) -> dict[str, set[str]]:
     """KVConnectorOutput's per-request load failures, where this vLLM takes them."""
     return {"failed_recving": req_ids} if req_ids else {}
@@ -124,7 +132,8 @@ def failures(req_ids: set[str]) -> dict[str, set[str]]:
 
 class SchedulerHarness:
     """One vLLM scheduler with the maru connector over a store (an in-process mock one
-    unless `backend` says otherwise). With `kv_events`, vLLM's KV events are collected in
+    unless `backend` says otherwise), told the workers' `layout` as their handshake
+    would (None: told nothing). With `kv_events`, vLLM's KV events are collected in
     `published`."""
 
     def __init__(
@@ -141,6 +150,7 @@ class SchedulerHarness:
         groups: tuple[str, ...] = ("full",),
         kv_role: str = "kv_both",
         settings: dict[str, Any] | None = None,
+        layout: str | None = "harness-layout",
     ) -> None:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -171,6 +181,8 @@ class SchedulerHarness:
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
         self.connector = self.scheduler.connector
+        if layout is not None:  # what the workers' handshake says at start-up
+            self.connector.set_xfer_handshake_metadata({0: MaruHandshake(layout)})
         self.forwarded: dict[str, float] = {}
         """Connector stats vLLM handed on in its scheduler stats."""
         self.blocks: dict[str, tuple[list[int], ...]] = {}

@@ -25,6 +25,11 @@ except ImportError:  # releases before the hybrid memory allocator
     SupportsHMA = object  # type: ignore[assignment,misc]
 
 try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # vLLM < 0.28 has no per-connector channel from workers to the scheduler
+    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
+
+try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # vLLM < 0.32 takes no per-request load failures
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]

@@ -11,6 +11,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
+from maru.vllm import compat
+
 NO_DATA_PATH = "unrecognised"
 """The fingerprint a worker reports when its layout or device has no data path."""
 NULL_BLOCK = 0
@@ -45,6 +47,19 @@ class MaruConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class MaruHandshake(KVConnectorHandshakeMetadata):
-    """Worker to scheduler, once: the layout that goes into the key namespace."""
+    """Worker to scheduler, once at start-up: the layout that goes into the key namespace.
+    (MultiConnector hands every child its first child's handshake, so behind another
+    connector this one may never arrive: `MaruWorkerMeta` carries the same.)"""
 
     layout_fingerprint: str
+
+
+@dataclass(frozen=True)
+class MaruWorkerMeta(compat.KVConnectorWorkerMetadata):
+    """Worker to scheduler, every step, on the channel vLLM keeps per connector (also
+    behind MultiConnector): the workers' layouts."""
+
+    layout_fingerprints: frozenset[str]
+
+    def aggregate(self, other: MaruWorkerMeta) -> MaruWorkerMeta:
+        return MaruWorkerMeta(self.layout_fingerprints | other.layout_fingerprints)

@@ -54,6 +54,8 @@ log = get_logger(__name__)
 
 RECORD_REFRESH_S = 60.0
 """How often an active instance refreshes its namespace record's time of activity."""
+UNKNOWN_LAYOUT = "unknown"
+"""The layout before a worker has said its own: no namespace yet."""
 LOOKUP_REUSE_S = 1.0
 """How long a request's lookup answers vLLM asking again with the same local hit (a
 request it could not schedule yet): lookups have no side effects, and cost a round trip
@@ -104,7 +106,8 @@ class MaruScheduler:
         """Requests whose load failed: recomputed, never loaded again."""
         self._vllm_config = vllm_config
         self._config = config
-        self._layout = "unknown"
+        self._layout = UNKNOWN_LAYOUT
+        self._waited_for_layout = False
         self._prefix: bytes | None = None
         self._gauges: dict[Stat, int] = {}
         self._record_at = -RECORD_REFRESH_S
@@ -198,11 +201,23 @@ class MaruScheduler:
     def set_layout(self, fingerprints: set[str]) -> None:
         """Take the workers' layout fingerprint into the namespace; stop looking up
         chunks no worker could load (a worker without a data path said why)."""
+        layout = ",".join(sorted(fingerprints))
+        if layout == self._layout:
+            return
         if NO_DATA_PATH in fingerprints:
             self.store.disabled = True
             log.info("maru: a worker has no data path for its KV cache; no lookups either")
-        self._layout = ",".join(sorted(fingerprints))
+        self._layout = layout
         self._prefix = None
+
+    def _say_layout_unknown(self) -> None:
+        if not self._waited_for_layout:
+            self._waited_for_layout = True
+            log.warning(
+                "maru: no worker has said its KV layout yet (behind another connector on a "
+                "vLLM without a per-connector worker channel it never will); no lookups or "
+                "saves until one does"
+            )
 
     def identity(self) -> dict[str, Any]:
         """What the namespace's digest covers (`maru.vllm.identity.kv_identity`)."""
@@ -227,7 +242,7 @@ class MaruScheduler:
         """Write the namespace record once the layout is known, then refresh its time of
         activity at most every RECORD_REFRESH_S; the first time, say how namespaces of the
         same model in the store differ from this one."""
-        if self._layout == "unknown" or time.monotonic() - self._record_at < RECORD_REFRESH_S:
+        if self._layout == UNKNOWN_LAYOUT or time.monotonic() - self._record_at < RECORD_REFRESH_S:
             return
         first = self._record_at < 0
         self._record_at = time.monotonic()
@@ -272,6 +287,9 @@ class MaruScheduler:
         lost them (restarted, evicted, down earlier), and then they are saved again.
         """
         if self.store.disabled:  # nothing to load, and no worker could save
+            return 0
+        if self._layout == UNKNOWN_LAYOUT:  # its namespace is not known yet
+            self._say_layout_unknown()
             return 0
         state = self.requests.get(request.request_id)
         if state is None or not self._answers(state, num_computed_tokens):
