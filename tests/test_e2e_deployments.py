@@ -79,7 +79,7 @@ def test_maru_as_a_child_of_multiconnector(tiny_model, pool_names, tmp_path, own
     assert writer.extra["connector_totals"]["saves"] == LOADED // 64
     totals, metrics = reader.extra["connector_totals"], reader.extra["connector_metrics"]
     assert totals["loads"] == LOADED // 64 and totals["hit_tokens"] == LOADED
-    assert metrics["vllm:maru_hit_tokens"] == LOADED, "maru's Prometheus metrics"
+    assert metrics["vllm:maru_hit_tokens"] == LOADED, "its Prometheus metrics"
     assert reader.external_cached_tokens == [LOADED]
     assert reader.token_ids == own_hit.token_ids[1:]
 

@@ -1,0 +1,142 @@
+"""The online path: `vllm serve` with maru (engine core in its own process, an API server
+in front), several concurrent requests over HTTP, two servers one after the other sharing
+one shm pool, each request's tokens compared with a server without maru, and maru's
+counters read from the server's /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SHARED, OWN, REQUESTS = 256, 44, 6
+STARTUP_S = 300
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    shared = rng.integers(3, 500, SHARED).tolist()
+    return [shared + rng.integers(3, 500, OWN).tolist() for _ in range(REQUESTS)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serve(model: Path, log: Path, transfer: dict | None):
+    """`vllm serve MODEL` in float32 (a hit's tokens then equal a recompute's), on a free
+    loopback port; its base URL once /health answers."""
+    port = free_port()
+    command = [
+        str(Path(sys.executable).parent / "vllm"),
+        "serve",
+        str(model),
+        "--port", str(port),
+        "--host", "127.0.0.1",
+        "--dtype", "float32",
+        "--enforce-eager",
+        "--skip-tokenizer-init",
+        "--max-model-len", "1024",
+        "--block-size", "32",
+        "--kv-cache-memory-bytes", str(256 * 2**20),
+    ]  # fmt: skip
+    if transfer is not None:
+        command += ["--kv-transfer-config", json.dumps(transfer)]
+    with log.open("w") as output:
+        server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=os.environ)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while not healthy(url):
+            assert server.poll() is None, f"vllm serve exited: {log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, (
+                f"not up in {STARTUP_S} s: {log.read_text()[-4000:]}"
+            )
+            time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def complete(url: str, model: Path, prompt: list[int]) -> list[int]:
+    body = {
+        "model": str(model),
+        "prompt": [prompt],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)["choices"][0]["token_ids"]
+
+
+def all_at_once(url: str, model: Path) -> list[list[int]]:
+    """Every prompt, sent concurrently; the tokens, request by request."""
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        return list(pool.map(lambda prompt: complete(url, model, prompt), prompts()))
+
+
+def counter(url: str, name: str) -> float:
+    """A counter of the server's /metrics, summed over its label sets."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(f"{name}{{") or line.startswith(f"{name} ")
+    )
+
+
+def test_two_servers_share_one_pool_request_by_request(tiny_model, pool_names, tmp_path):
+    transfer = {
+        "kv_connector": "MaruKVConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "backend": "shm",
+            "capacity": "64MiB",
+            "chunk_tokens": 64,
+            "shm": {"name": pool_names()},
+        },
+    }
+    with serve(tiny_model, tmp_path / "plain.log", None) as url:
+        plain = all_at_once(url, tiny_model)
+    with serve(tiny_model, tmp_path / "first.log", transfer) as url:
+        first = all_at_once(url, tiny_model)
+        assert counter(url, "vllm:maru_chunks_saved_total") > 0
+    with serve(tiny_model, tmp_path / "second.log", transfer) as url:
+        second = all_at_once(url, tiny_model)
+        loaded = counter(url, "vllm:maru_hit_tokens_total")
+    assert first == plain
+    assert second == plain
+    whole_chunks = (SHARED + OWN) // 64 * 64
+    assert loaded == REQUESTS * whole_chunks, "every whole chunk of every prompt"
