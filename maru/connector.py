@@ -188,9 +188,9 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         tokens = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        return tokens, tokens > 0 and self.scheduler.loads_async
+        return tokens, bool(tokens) and self.scheduler.loads_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(
@@ -212,13 +212,13 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request), None
+        return self.scheduler.request_finished(request)
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """What vLLM calls instead of `request_finished` with its hybrid allocator on."""
-        return self.scheduler.request_finished(request), None
+        return self.scheduler.request_finished(request)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         fingerprints = {

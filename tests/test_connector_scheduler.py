@@ -521,3 +521,33 @@ def test_the_layout_arrives_on_the_per_connector_worker_channel(harness) -> None
     h.add("a", tokens(300))
     _, meta = h.step()
     assert len(meta.saves) == 4
+
+
+def test_a_consumer_waits_for_the_chunks_its_producer_named(harness) -> None:
+    """P/D: the proxy hands the producer's kv_transfer_params to the consumer, which may
+    arrive while the producer's saves still commit: "not yet" (vLLM asks again) until the
+    store has them, instead of a miss."""
+    pool = unique_name()
+    producer = harness(pool=pool, kv_role="kv_producer")
+    consumer = harness(pool=pool, kv_role="kv_consumer")
+    prompt = tokens(300)
+    named = {"maru": {"namespace": producer.connector.scheduler.key_prefix().decode(), "chunks": 4}}
+    consumer.add("r", prompt, kv_transfer_params=named)
+    for _ in range(2):
+        _, meta = consumer.step()
+        assert meta.loads == [] and consumer.scheduler.requests["r"].num_computed_tokens == 0
+    producer.add("r", prompt)
+    while "r" in producer.scheduler.requests:
+        producer.step()
+    assert producer.transfer_params["r"] == named
+    _, meta = consumer.step()
+    assert len(meta.loads) == 4
+
+
+def test_a_consumer_computes_what_is_not_there_by_its_deadline(harness) -> None:
+    consumer = harness(kv_role="kv_consumer", settings={"consumer_wait": 0})
+    scheduler = consumer.connector.scheduler
+    named = {"maru": {"namespace": scheduler.key_prefix().decode(), "chunks": 4}}
+    consumer.add("r", tokens(300), kv_transfer_params=named)
+    consumer.step()
+    assert "r" not in consumer.scheduler.requests, "computed, finished"

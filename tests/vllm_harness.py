@@ -187,6 +187,8 @@ class SchedulerHarness:
         """Connector stats vLLM handed on in its scheduler stats."""
         self.blocks: dict[str, tuple[list[int], ...]] = {}
         self.saving: set[str] = set()
+        self.transfer_params: dict[str, Any] = {}
+        """The kv_transfer_params vLLM returned with each finished request."""
         self.failing_loads: set[str] = set()
         """Requests whose asynchronous loads the played worker reports failed."""
         self.store = maru.open_store(backend=backend, **{backend: {"name": pool}})
@@ -197,7 +199,13 @@ class SchedulerHarness:
             )
 
     def add(
-        self, req_id: str, tokens: list[int], *, cache_salt: str | None = None, max_tokens: int = 1
+        self,
+        req_id: str,
+        tokens: list[int],
+        *,
+        cache_salt: str | None = None,
+        max_tokens: int = 1,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> Any:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
@@ -206,7 +214,12 @@ class SchedulerHarness:
         request = Request(
             req_id,
             tokens,
-            SamplingParams(max_tokens=max_tokens),
+            SamplingParams(
+                max_tokens=max_tokens,
+                extra_args={"kv_transfer_params": kv_transfer_params}
+                if kv_transfer_params
+                else None,
+            ),
             None,
             cache_salt=cache_salt,
             block_hasher=self._hasher,
@@ -254,6 +267,9 @@ class SchedulerHarness:
             ),
         )
         for outputs in engine_outputs.values():
+            for finished in outputs.outputs:
+                if finished.kv_transfer_params:
+                    self.transfer_params[finished.request_id] = finished.kv_transfer_params
             reported = outputs.scheduler_stats and outputs.scheduler_stats.kv_connector_stats
             for name in COUNTED:
                 self.forwarded[name] = self.forwarded.get(name, 0) + (reported or {}).get(name, 0)

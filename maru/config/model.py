@@ -136,6 +136,12 @@ class MaruConfig(BaseModel):
         description="with vLLM's kv_role kv_producer, also load what the store holds "
         "(a producer saves only, by default)",
     )
+    consumer_wait: float = Field(
+        10.0,
+        ge=0,
+        description="with kv_role kv_consumer, seconds a request waits for the chunks its "
+        "producer named (kv_transfer_params) to be stored before computing them",
+    )
     config_file: Path | None = Field(None, description="YAML, TOML or JSON file to read")
 
     def __init__(self, /, **data: Any) -> None:

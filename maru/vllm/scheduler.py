@@ -54,6 +54,8 @@ log = get_logger(__name__)
 
 RECORD_REFRESH_S = 60.0
 """How often an active instance refreshes its namespace record's time of activity."""
+HANDOFF = "maru"
+"""The key of a producer's `kv_transfer_params`: {"namespace", "chunks"} it stored."""
 UNKNOWN_LAYOUT = "unknown"
 """The layout before a worker has said its own: no namespace yet."""
 LOOKUP_REUSE_S = 1.0
@@ -102,6 +104,8 @@ class MaruScheduler:
         self.stats = MaruConnectorStats()
         self.store = StoreGuard(config, "scheduler", self.stats)
         self.requests: dict[str, RequestState] = {}
+        self._waiting_since: dict[str, float] = {}
+        """Consumer requests waiting for the chunks their producer named, since when."""
         self.failed_loads: set[str] = set()
         """Requests whose load failed: recomputed, never loaded again."""
         self._vllm_config = vllm_config
@@ -128,9 +132,9 @@ class MaruScheduler:
         self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         """Tokens per entry of `request.block_hashes`."""
         self.loads_async = loads_async(self.groups)
-        role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
-        self.loads = role != "kv_producer" or config.producer_loads
-        self.saves = role != "kv_consumer"
+        self.role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
+        self.loads = self.role != "kv_producer" or config.producer_loads
+        self.saves = self.role != "kv_consumer"
         """What vLLM's kv_role lets this instance do: a producer (prefill) saves, a
         consumer (decode) loads, kv_both both."""
         self.saves_hold_blocks = vllm_config.device_config.device_type != "cpu"
@@ -280,7 +284,7 @@ class MaruScheduler:
         prefix = self.key_prefix()
         return [keys.chunk_key(prefix, hashes[(c + 1) * per_chunk - 1]) for c in range(count)]
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens beyond `num_computed_tokens` that can be loaded from the store.
 
         Every chunk is looked up, also those vLLM holds itself: the store may have
@@ -295,12 +299,29 @@ class MaruScheduler:
         if state is None or not self._answers(state, num_computed_tokens):
             state = self._look_up(request, num_computed_tokens)
             self.requests[request.request_id] = state
+        if self._awaits_producer(request, state):
+            return None  # vLLM asks again next step
         return max(0, self._hit_tokens(request, state.hit_chunks) - num_computed_tokens)
 
+    def _awaits_producer(self, request: Any, state: RequestState) -> bool:
+        """Is this a consumer's request whose producer named chunks the store does not
+        hold yet (its saves still committing), within `consumer_wait`?"""
+        named = (getattr(request, "kv_transfer_params", None) or {}).get(HANDOFF)
+        if not (self.role == "kv_consumer" and isinstance(named, dict)):
+            return False
+        if named.get("namespace") != self.key_prefix().decode():
+            return False  # another namespace: its chunks are not this instance's
+        if state.hit_chunks >= min(int(named.get("chunks", 0)), len(state.keys)):
+            return False
+        since = self._waiting_since.setdefault(request.request_id, time.monotonic())
+        return time.monotonic() - since < self._config.consumer_wait
+
     def _answers(self, state: RequestState, num_computed_tokens: int) -> bool:
-        """Does a request's earlier lookup answer vLLM asking again?"""
+        """Does a request's earlier lookup answer vLLM asking again (never while it waits
+        for its producer: each attempt may find the chunks)?"""
         return (
-            not state.allocated
+            state.request.request_id not in self._waiting_since
+            and not state.allocated
             and state.local_tokens == num_computed_tokens
             and time.monotonic() - state.looked_up_at < LOOKUP_REUSE_S
         )
@@ -502,15 +523,22 @@ class MaruScheduler:
         if self.events is not None:
             self.events.settled(req_ids)
 
-    def request_finished(self, request: Any) -> bool:
-        """Forget the request; True if vLLM must keep its blocks until the worker reports
-        its saves done (`get_finished`)."""
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request: whether vLLM must keep its blocks until the worker reports
+        its saves done (`get_finished`), and a producer's `kv_transfer_params` naming the
+        chunks it stored (a consumer given them waits for them)."""
         state = self.requests.pop(request.request_id, None)
         self.failed_loads.discard(request.request_id)
+        self._waiting_since.pop(request.request_id, None)
         saving = state is not None and state.saving
         if saving and not self.saves_hold_blocks:
             self.saves_settled({request.request_id})
-        return saving and self.saves_hold_blocks
+        params = None
+        if self.role == "kv_producer" and state is not None and state.planned_chunks:
+            params = {
+                HANDOFF: {"namespace": self.key_prefix().decode(), "chunks": state.planned_chunks}
+            }
+        return saving and self.saves_hold_blocks, params
 
     def close(self) -> None:
         log.info("maru: scheduler half since start-up: %s", self.stats.lifetime)
