@@ -361,8 +361,8 @@ def test_configs_from_every_entry_point_are_equal() -> None:
         (
             lambda: MaruConfig.model_validate({"bogus": 1}),
             "bogus = 1: unknown key; allowed: backend, namespace, capacity, chunk_tokens, "
-            "error_backoff, producer_loads, consumer_wait, config_file and the sections of installed "
-            "backends (mock, shm, cxl, redis, tiered, dirstore)",
+            "error_backoff, producer_loads, consumer_wait, config_file and the sections of "
+            "installed backends (mock, shm, cxl, redis, tiered, dirstore)",
         ),
         (
             lambda: MaruConfig.model_validate_json('{"mock": {"fail_rate": 2}}'),
