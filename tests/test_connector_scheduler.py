@@ -551,3 +551,27 @@ def test_a_consumer_computes_what_is_not_there_by_its_deadline(harness) -> None:
     consumer.add("r", tokens(300), kv_transfer_params=named)
     consumer.step()
     assert "r" not in consumer.scheduler.requests, "computed, finished"
+
+
+def test_with_async_scheduling_keys_saves_and_frees_stay_right(harness) -> None:
+    """vLLM's AsyncScheduler schedules step N+1 before step N's output arrives, so its
+    counts include tokens in flight: chunked prefill still saves each chunk once, with
+    the blocks of a synchronous run, and every block is free at the end."""
+
+    def run(h, step) -> tuple[object, list[tuple[bytes, list[int]]]]:
+        request = h.add("a", tokens(300), max_tokens=4)
+        saved = []
+        for _ in range(12):
+            _, meta = step()
+            saved += [(save.key, save.block_ids) for save in meta.saves]
+        return request, saved
+
+    ahead, in_step = (
+        harness(async_scheduling=True, max_batched_tokens=96),
+        harness(max_batched_tokens=96),
+    )
+    free = ahead.free_blocks()
+    request, saved = run(ahead, ahead.step_ahead)
+    assert saved == run(in_step, in_step.step)[1]
+    assert [key for key, _ in saved] == ahead.chunk_keys(request)
+    assert "a" not in ahead.scheduler.requests and ahead.free_blocks() == free

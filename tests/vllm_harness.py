@@ -151,9 +151,11 @@ class SchedulerHarness:
         kv_role: str = "kv_both",
         settings: dict[str, Any] | None = None,
         layout: str | None = "harness-layout",
+        async_scheduling: bool = False,
     ) -> None:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -171,7 +173,7 @@ class SchedulerHarness:
         kv_cache_config = make_kv_cache_config(num_blocks, groups)
         if "state" in groups:  # what vLLM sets for a Mamba hybrid with prefix caching
             vllm_config.cache_config.mamba_cache_mode = "align"
-        self.scheduler = Scheduler(
+        self.scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
             vllm_config,
             kv_cache_config,
             StructuredOutputManager(vllm_config),
@@ -187,6 +189,8 @@ class SchedulerHarness:
         """Connector stats vLLM handed on in its scheduler stats."""
         self.blocks: dict[str, tuple[list[int], ...]] = {}
         self.saving: set[str] = set()
+        self._in_flight: tuple[Any, Any] | None = None
+        """With `step_ahead`: the step scheduled, its output not reported yet."""
         self.transfer_params: dict[str, Any] = {}
         """The kv_transfer_params vLLM returned with each finished request."""
         self.failing_loads: set[str] = set()
@@ -230,6 +234,22 @@ class SchedulerHarness:
 
     def step(self) -> tuple[Any, MaruConnectorMetadata]:
         """Schedule, play the worker (store what is saved), report the model's output."""
+        scheduled = self._schedule()
+        self._report(*scheduled)
+        return scheduled[0], scheduled[0].kv_connector_metadata
+
+    def step_ahead(self) -> tuple[Any, MaruConnectorMetadata]:
+        """As vLLM's async scheduling runs: schedule step N+1, then report step N's
+        output (the scheduler's counts then include the tokens in flight)."""
+        scheduled = self._schedule()
+        if self._in_flight is not None:
+            self._report(*self._in_flight)
+        self._in_flight = scheduled
+        return scheduled[0], scheduled[0].kv_connector_metadata
+
+    def _schedule(self) -> tuple[Any, Any]:
+        """Schedule one step and play the worker: the scheduler output and what the
+        model runner will report of it."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         output = self.scheduler.schedule()
@@ -255,17 +275,17 @@ class SchedulerHarness:
             done = computed[req_id] + output.num_scheduled_tokens[req_id]
             prompt = self.scheduler.requests[req_id].num_prompt_tokens
             sampled.append([7] if done >= prompt else [])
-        engine_outputs = self.scheduler.update_from_output(
-            output,
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                kv_connector_output=KVConnectorOutput(
-                    finished_sending=saved, finished_recving=loaded, **failures(failed)
-                ),
+        return output, ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=saved, finished_recving=loaded, **failures(failed)
             ),
         )
+
+    def _report(self, output: Any, model_output: Any) -> None:
+        engine_outputs = self.scheduler.update_from_output(output, model_output)
         for outputs in engine_outputs.values():
             for finished in outputs.outputs:
                 if finished.kv_transfer_params:
@@ -273,7 +293,6 @@ class SchedulerHarness:
             reported = outputs.scheduler_stats and outputs.scheduler_stats.kv_connector_stats
             for name in COUNTED:
                 self.forwarded[name] = self.forwarded.get(name, 0) + (reported or {}).get(name, 0)
-        return output, meta
 
     @property
     def stats(self) -> dict[str, float]:
