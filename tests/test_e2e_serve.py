@@ -82,7 +82,8 @@ def healthy(url: str) -> bool:
         return False
 
 
-def complete(url: str, model: Path, prompt: list[int]) -> list[int]:
+def completion(url: str, model: Path, prompt: list[int], **fields) -> dict:
+    """The server's answer to a greedy completion of 8 tokens (`fields` override)."""
     body = {
         "model": str(model),
         "prompt": [prompt],
@@ -90,6 +91,7 @@ def complete(url: str, model: Path, prompt: list[int]) -> list[int]:
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **fields,
     }
     request = urllib.request.Request(
         f"{url}/v1/completions",
@@ -97,13 +99,38 @@ def complete(url: str, model: Path, prompt: list[int]) -> list[int]:
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=120) as response:
-        return json.load(response)["choices"][0]["token_ids"]
+        return json.load(response)
 
 
-def all_at_once(url: str, model: Path) -> list[list[int]]:
-    """Every prompt, sent concurrently; the tokens, request by request."""
+def tokens_of(answer: dict) -> list[int]:
+    return answer["choices"][0]["token_ids"]
+
+
+def all_at_once(send) -> list[list[int]]:
+    """`send(prompt)` for every prompt, concurrently; the tokens, request by request."""
     with ThreadPoolExecutor(REQUESTS) as pool:
-        return list(pool.map(lambda prompt: complete(url, model, prompt), prompts()))
+        return list(pool.map(send, prompts()))
+
+
+def maru(pool: str, role: str = "kv_both") -> dict:
+    """maru over shm pool `pool`, by its registered name, in vLLM role `role`."""
+    return {
+        "kv_connector": "MaruKVConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {
+            "backend": "shm",
+            "capacity": "64MiB",
+            "chunk_tokens": 64,
+            "shm": {"name": pool},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model, tmp_path_factory) -> list[list[int]]:
+    """Every prompt's tokens from a server without a connector."""
+    with serve(tiny_model, tmp_path_factory.mktemp("plain") / "plain.log", None) as url:
+        return all_at_once(lambda prompt: tokens_of(completion(url, tiny_model, prompt)))
 
 
 def counter(url: str, name: str) -> float:
@@ -117,25 +144,43 @@ def counter(url: str, name: str) -> float:
     )
 
 
-def test_two_servers_share_one_pool_request_by_request(tiny_model, pool_names, tmp_path):
-    transfer = {
-        "kv_connector": "MaruKVConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "backend": "shm",
-            "capacity": "64MiB",
-            "chunk_tokens": 64,
-            "shm": {"name": pool_names()},
-        },
-    }
-    with serve(tiny_model, tmp_path / "plain.log", None) as url:
-        plain = all_at_once(url, tiny_model)
+WHOLE_CHUNKS = REQUESTS * (TOKENS // 64 * 64)
+"""Prompt tokens in whole chunks, over every prompt."""
+
+
+def test_two_servers_share_one_pool_request_by_request(tiny_model, pool_names, tmp_path, plain):
+    transfer = maru(pool_names())
     with serve(tiny_model, tmp_path / "first.log", transfer) as url:
-        first = all_at_once(url, tiny_model)
+        first = all_at_once(lambda prompt: tokens_of(completion(url, tiny_model, prompt)))
         assert counter(url, "vllm:maru_chunks_saved_total") > 0
     with serve(tiny_model, tmp_path / "second.log", transfer) as url:
-        second = all_at_once(url, tiny_model)
+        second = all_at_once(lambda prompt: tokens_of(completion(url, tiny_model, prompt)))
         loaded = counter(url, "vllm:maru_hit_tokens_total")
     assert first == plain
     assert second == plain
-    assert loaded == REQUESTS * (TOKENS // 64 * 64), "every whole chunk of every prompt"
+    assert loaded == WHOLE_CHUNKS, "every whole chunk of every prompt"
+
+
+def test_a_decode_instance_loads_what_its_prefill_instance_stored(
+    tiny_model, pool_names, tmp_path, plain
+):
+    """Prefill/decode: a proxy (here, in the test) sends each prompt to the producer with
+    max_tokens=1, and to the consumer with the producer's kv_transfer_params."""
+    pool = pool_names()
+    with (
+        serve(tiny_model, tmp_path / "producer.log", maru(pool, "kv_producer")) as producer,
+        serve(tiny_model, tmp_path / "consumer.log", maru(pool, "kv_consumer")) as consumer,
+    ):
+
+        def proxy(prompt: list[int]) -> list[int]:
+            prefilled = completion(producer, tiny_model, prompt, max_tokens=1)
+            named = prefilled["kv_transfer_params"]
+            assert named["maru"]["chunks"] == TOKENS // 64
+            return tokens_of(completion(consumer, tiny_model, prompt, kv_transfer_params=named))
+
+        decoded = all_at_once(proxy)
+        loaded = counter(consumer, "vllm:maru_hit_tokens_total")
+        assert counter(consumer, "vllm:maru_chunks_saved_total") == 0, "a consumer never saves"
+        assert counter(producer, "vllm:maru_hit_tokens_total") == 0, "a producer does not load"
+    assert decoded == plain
+    assert loaded == WHOLE_CHUNKS
