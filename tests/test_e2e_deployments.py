@@ -63,20 +63,28 @@ def test_the_connector_works_by_its_registered_name_alone(tiny_model, pool_names
     assert reader.token_ids == own_hit.token_ids[1:]
 
 
-@pytest.mark.parametrize("maru_first", [True, False], ids=["maru-first", "maru-last"])
-def test_maru_as_a_child_of_multiconnector(tiny_model, pool_names, tmp_path, own_hit, maru_first):
-    """The writer stores through both children; the reader's ExampleConnector has an
-    empty folder, so what it loads is maru's. Before maru registered itself, the first
-    generate died: "Connector 'MaruKVConnector' is not registered"."""
+CHILDREN = {
+    "maru-first": lambda pool, own_pool, own_folder: [maru(pool), example(own_folder)],
+    "maru-last": lambda pool, own_pool, own_folder: [example(own_folder), maru(pool)],
+    "beside-another-maru": lambda pool, own_pool, own_folder: [maru(own_pool), maru(pool)],
+}
+"""MultiConnector's children: maru over the shared pool, and another connector over
+storage of the engine's own (an ExampleConnector folder, or another maru's pool)."""
+
+
+@pytest.mark.parametrize("children", list(CHILDREN))
+def test_maru_as_a_child_of_multiconnector(tiny_model, pool_names, tmp_path, own_hit, children):
+    """The writer stores through both children; the reader's other child has nothing, so
+    what it loads is maru's. Before maru registered itself, the first generate died:
+    "Connector 'MaruKVConnector' is not registered"."""
     pool = pool_names()
 
-    def config(folder: str) -> dict:
-        children = [maru(pool), example(tmp_path / folder)]
-        return multi(*(children if maru_first else reversed(children)))
+    def config(engine: str) -> dict:
+        return multi(*CHILDREN[children](pool, pool_names(), tmp_path / engine))
 
     writer = run_engine(tiny_model, [PROMPT], kv_transfer_config=config("writer"))
     reader = run_engine(tiny_model, [PROMPT], kv_transfer_config=config("reader"))
-    assert writer.extra["connector_totals"]["saves"] == LOADED // 64
+    assert writer.extra["connector_totals"]["saves"] >= LOADED // 64
     totals, metrics = reader.extra["connector_totals"], reader.extra["connector_metrics"]
     assert totals["loads"] == LOADED // 64 and totals["hit_tokens"] == LOADED
     assert metrics["vllm:maru_hit_tokens"] == LOADED, "its Prometheus metrics"
