@@ -306,12 +306,14 @@ class MaruScheduler:
     def _awaits_producer(self, request: Any, state: RequestState) -> bool:
         """Is this a consumer's request whose producer named chunks the store does not
         hold yet (its saves still committing), within `consumer_wait`?"""
-        named = (getattr(request, "kv_transfer_params", None) or {}).get(HANDOFF)
+        params = getattr(request, "kv_transfer_params", None)
+        named = params.get(HANDOFF) if isinstance(params, dict) else None
         if not (self.role == "kv_consumer" and isinstance(named, dict)):
             return False
         if named.get("namespace") != self.key_prefix().decode():
             return False  # another namespace: its chunks are not this instance's
-        if state.hit_chunks >= min(int(named.get("chunks", 0)), len(state.keys)):
+        chunks = named.get("chunks")
+        if not isinstance(chunks, int) or state.hit_chunks >= min(chunks, len(state.keys)):
             return False
         since = self._waiting_since.setdefault(request.request_id, time.monotonic())
         return time.monotonic() - since < self._config.consumer_wait
