@@ -209,6 +209,11 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
             if isinstance(worker_meta, MaruWorkerMeta):
                 self.scheduler_half.set_layout(set(worker_meta.layout_fingerprints))
 
+    def has_pending_block_frees(self) -> bool:
+        """Blocks of finished requests come free once their saves' copies are done: vLLM
+        waits for them rather than preempt a request."""
+        return bool(self.scheduler_half and self.scheduler_half.held)
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

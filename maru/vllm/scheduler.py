@@ -104,6 +104,8 @@ class MaruScheduler:
         self.stats = MaruConnectorStats()
         self.store = StoreGuard(config, "scheduler", self.stats)
         self.requests: dict[str, RequestState] = {}
+        self.held: set[str] = set()
+        """Finished requests whose blocks wait for their saves' copies (a device's)."""
         self._waiting_since: dict[str, float] = {}
         """Consumer requests waiting for the chunks their producer named, since when."""
         self.failed_loads: set[str] = set()
@@ -521,7 +523,9 @@ class MaruScheduler:
         self.failed_loads |= req_ids & self.requests.keys()
 
     def saves_settled(self, req_ids: set[str]) -> None:
-        """The workers reported these requests' saves done (for the KV events)."""
+        """The workers reported these requests' saves done: vLLM frees their blocks (and
+        the KV events learn which planned chunks were not saved)."""
+        self.held -= req_ids
         if self.events is not None:
             self.events.settled(req_ids)
 
@@ -540,6 +544,8 @@ class MaruScheduler:
             params = {
                 HANDOFF: {"namespace": self.key_prefix().decode(), "chunks": state.planned_chunks}
             }
+        if saving and self.saves_hold_blocks:
+            self.held.add(request.request_id)
         return saving and self.saves_hold_blocks, params
 
     def close(self) -> None:
