@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from maru.backends.base import Backend, key_digest
+from maru.config import MaruConfig
+from maru.vllm import compat
 
 Chunked = TypeVar("Chunked")
 
@@ -184,3 +186,16 @@ def request_chunk(request: Any, chunk: int, blocks_per_chunk: int, block_size: i
         lora_id=lora.lora_int_id if lora else None,
         lora_name=lora.lora_name if lora else None,
     )
+
+
+def store_events(
+    vllm_config: Any, config: MaruConfig, shares: Callable[[bytes], list[bytes]]
+) -> StoreEvents | None:
+    """The KV-event tracker, where vLLM publishes KV events and lets connectors add to
+    them; None (and nothing tracked) otherwise."""
+    events_config = getattr(vllm_config, "kv_events_config", None)
+    if not (events_config and events_config.enable_kv_cache_events):
+        return None
+    if not compat.has_hook("take_events"):
+        return None  # said at start-up (`compat.say_what_this_release_lacks`)
+    return StoreEvents(f"maru:{config.backend}", vllm_config.cache_config.block_size, shares)

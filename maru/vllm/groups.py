@@ -164,3 +164,41 @@ def loads_async(groups: list[KVGroup]) -> bool:
     its blocks? With several groups that is vLLM's only failure path
     (`KVConnectorTransferResults.failed_recving`, asynchronous loads only)."""
     return len(groups) > 1
+
+
+def hit_tokens(chunks: int, prompt_tokens: int, chunk_tokens: int) -> int:
+    """Tokens a hit of `chunks` whole chunks lets vLLM skip (never the last prompt
+    token, which must be computed to sample)."""
+    return min(chunks * chunk_tokens, prompt_tokens - 1)
+
+
+def hit_chunks(
+    groups: list[KVGroup],
+    stored: list[list[bool]],
+    local_tokens: int,
+    prompt_tokens: int,
+    chunk_tokens: int,
+) -> int:
+    """The most chunks at whose end every group can be served: each group's new blocks
+    there are in objects the store holds (`stored`, per group and chunk); at least the
+    chunks vLLM holds itself (`local_tokens`)."""
+    local = local_tokens // chunk_tokens
+    chunks = len(stored[0]) if stored else 0
+    for group in groups:
+        if group.kind == FULL:  # every chunk from the local hit on: a leading run
+            run = local
+            while run < chunks and stored[group.index][run]:
+                run += 1
+            chunks = run
+        else:  # a window or a state is stored only at a chunk's very end
+            chunks = min(chunks, (prompt_tokens - 1) // chunk_tokens)
+    for candidate in range(chunks, local, -1):
+        hit = hit_tokens(candidate, prompt_tokens, chunk_tokens)
+        if hit > local_tokens and all(
+            stored[g.index][position // (chunk_tokens // g.block_size)]
+            for g in groups
+            if g.kind != FULL
+            for position in g.fresh_range(local_tokens, hit)
+        ):
+            return candidate
+    return local

@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru.backends.base import Backend
+from maru.log import get_logger
 from maru.vllm.keys import ROOT, decode_record, encode_record, parse_key, record_key
+
+log = get_logger(__name__)
 
 NOT_COMPARED = frozenset({"active", "vllm"})
 """Record fields that do not decide whether two instances share."""
@@ -73,3 +76,21 @@ def last_active(record: dict[str, Any]) -> str:
     """When the record's instance was last active, in local time ("?" if it never said)."""
     active = record.get("active")
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(active)) if active else "?"
+
+
+def say_how_peers_differ(store: Backend, this: str, record: dict[str, Any]) -> None:
+    """Warn, per namespace of the same model in the store, why this one (`this`, whose
+    record is `record`) will not share with it."""
+    for peer in namespaces(store, other_than=this):
+        if peer.record.get("model") != record["model"]:
+            continue
+        fields = differing_fields(record, peer.record)
+        log.warning(
+            "maru: this instance will not share with namespace %s (%d objects, same model): %s",
+            peer.name,
+            peer.objects,
+            "; ".join(
+                f"{field} is {ours!r} here, {theirs!r} there"
+                for field, (ours, theirs) in fields.items()
+            ),
+        )

@@ -9,7 +9,6 @@ the namespace's record in the store, and follows the store for KV events.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,13 +17,14 @@ from maru.config import MaruConfig
 from maru.errors import MaruError
 from maru.log import get_logger
 from maru.vllm import compat, keys
-from maru.vllm.events import StoreEvents, chunks_held, request_chunk
+from maru.vllm.events import chunks_held, request_chunk, store_events
 from maru.vllm.groups import (
-    FULL,
     STATE,
     KVGroup,
     UnservedGroups,
     check_chunk_tokens,
+    hit_chunks,
+    hit_tokens,
     kv_groups,
     loads_async,
 )
@@ -36,26 +36,22 @@ from maru.vllm.identity import (
     warn_if_hash_seed_is_per_process,
 )
 from maru.vllm.metadata import NO_DATA_PATH, NULL_BLOCK, ChunkTransfer, MaruConnectorMetadata
-from maru.vllm.records import differing_fields, namespaces, write_record
+from maru.vllm.records import say_how_peers_differ, write_record
+from maru.vllm.roles import Role, handoff, named_chunks
 from maru.vllm.stats import (
     HIT_TOKENS,
     LOOKUP_ERRORS,
     LOOKUPS,
     MISS_TOKENS,
-    STORE_CAPACITY,
-    STORE_EVICTIONS,
-    STORE_OBJECTS,
-    STORE_USED,
     MaruConnectorStats,
     Stat,
+    store_gauges,
 )
 
 log = get_logger(__name__)
 
 RECORD_REFRESH_S = 60.0
 """How often an active instance refreshes its namespace record's time of activity."""
-HANDOFF = "maru"
-"""The key of a producer's `kv_transfer_params`: {"namespace", "chunks"} it stored."""
 UNKNOWN_LAYOUT = "unknown"
 """The layout before a worker has said its own: no namespace yet."""
 LOOKUP_REUSE_S = 1.0
@@ -134,11 +130,7 @@ class MaruScheduler:
         self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         """Tokens per entry of `request.block_hashes`."""
         self.loads_async = loads_async(self.groups)
-        self.role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
-        self.loads = self.role != "kv_producer" or config.producer_loads
-        self.saves = self.role != "kv_consumer"
-        """What vLLM's kv_role lets this instance do: a producer (prefill) saves, a
-        consumer (decode) loads, kv_both both."""
+        self.role = Role.of(vllm_config, config)
         self.saves_hold_blocks = vllm_config.device_config.device_type != "cpu"
         """A finished request's blocks wait for its saves' copies (on a device they run
         beside the forward; on the CPU they are done within the step)."""
@@ -191,18 +183,9 @@ class MaruScheduler:
 
     def _read_gauges(self) -> None:
         store = self.store.available()
-        try:
-            figures = store.stats() if store is not None else None
-        except Exception as exc:  # gauges are best effort: never fail a step for them
-            log.debug("maru: store stats unavailable: %s", exc)
-            return
-        if figures is not None:
-            self._gauges = {
-                STORE_CAPACITY: figures.capacity,
-                STORE_USED: figures.used,
-                STORE_OBJECTS: figures.objects,
-                STORE_EVICTIONS: figures.evictions,
-            }
+        gauges = store_gauges(store) if store is not None else None
+        if gauges is not None:
+            self._gauges = gauges
 
     def set_layout(self, fingerprints: set[str]) -> None:
         """Take the workers' layout fingerprint into the namespace; stop looking up
@@ -255,29 +238,14 @@ class MaruScheduler:
         prefix, record = self.key_prefix(), self.record()
         try:
             if first:
-                self._compare_with_peers(store, record)
+                this = keys.parse_key(keys.record_key(prefix)).namespace
+                say_how_peers_differ(store, this, record)
         except MaruError as exc:  # e.g. a backend that cannot list its keys
             log.debug("maru: namespaces in the store not compared: %s", exc)
         try:
             write_record(store, prefix, record)
         except MaruError as exc:
             log.debug("maru: namespace record not kept: %s", exc)
-
-    def _compare_with_peers(self, store: Backend, record: dict[str, Any]) -> None:
-        this = keys.parse_key(keys.record_key(self.key_prefix())).namespace
-        for peer in namespaces(store, other_than=this):
-            if peer.record.get("model") != record["model"]:
-                continue
-            fields = differing_fields(record, peer.record)
-            log.warning(
-                "maru: this instance will not share with namespace %s (%d objects, same model): %s",
-                peer.name,
-                peer.objects,
-                "; ".join(
-                    f"{field} is {ours!r} here, {theirs!r} there"
-                    for field, (ours, theirs) in fields.items()
-                ),
-            )
 
     def chunk_keys(self, request: Any) -> list[bytes]:
         """One key per whole prompt chunk: the hash of its last block (hashes are chained)."""
@@ -303,19 +271,16 @@ class MaruScheduler:
             self.requests[request.request_id] = state
         if self._awaits_producer(request, state):
             return None  # vLLM asks again next step
-        return max(0, self._hit_tokens(request, state.hit_chunks) - num_computed_tokens)
+        hit = hit_tokens(state.hit_chunks, request.num_prompt_tokens, self.chunk_tokens)
+        return max(0, hit - num_computed_tokens)
 
     def _awaits_producer(self, request: Any, state: RequestState) -> bool:
         """Is this a consumer's request whose producer named chunks the store does not
         hold yet (its saves still committing), within `consumer_wait`?"""
-        params = getattr(request, "kv_transfer_params", None)
-        named = params.get(HANDOFF) if isinstance(params, dict) else None
-        if not (self.role == "kv_consumer" and isinstance(named, dict)):
+        if not self.role.waits:
             return False
-        if named.get("namespace") != self.key_prefix().decode():
-            return False  # another namespace: its chunks are not this instance's
-        chunks = named.get("chunks")
-        if not isinstance(chunks, int) or state.hit_chunks >= min(chunks, len(state.keys)):
+        chunks = named_chunks(request, self.key_prefix().decode())
+        if chunks is None or state.hit_chunks >= min(chunks, len(state.keys)):
             return False
         since = self._waiting_since.setdefault(request.request_id, time.monotonic())
         return time.monotonic() - since < self._config.consumer_wait
@@ -338,40 +303,19 @@ class MaruScheduler:
         if stored is None:  # no answer: take vLLM's own chunks as stored, save the rest
             stored = [[chunk < local for chunk in range(len(chunk_keys))] for _ in self.groups]
         state = RequestState(request, chunk_keys, stored, local_tokens=num_computed_tokens)
-        loads = self.loads and request.request_id not in self.failed_loads
+        loads = self.role.loads and request.request_id not in self.failed_loads
         state.hit_chunks = (
-            self._hit_chunks(request, stored, num_computed_tokens) if loads else local
+            hit_chunks(
+                self.groups,
+                stored,
+                num_computed_tokens,
+                request.num_prompt_tokens,
+                self.chunk_tokens,
+            )
+            if loads
+            else local
         )
         return state
-
-    def _hit_tokens(self, request: Any, chunks: int) -> int:
-        """Tokens a hit of `chunks` whole chunks lets vLLM skip (never the last prompt
-        token, which must be computed to sample)."""
-        return min(chunks * self.chunk_tokens, request.num_prompt_tokens - 1)
-
-    def _hit_chunks(self, request: Any, stored: list[list[bool]], local_tokens: int) -> int:
-        """The most chunks at whose end every group can be served: each group's new
-        blocks there are in objects the store holds (at least vLLM's own chunks)."""
-        local = local_tokens // self.chunk_tokens
-        chunks = len(stored[0]) if stored else 0
-        for group in self.groups:
-            if group.kind == FULL:  # every chunk from the local hit on: a leading run
-                run = local
-                while run < chunks and stored[group.index][run]:
-                    run += 1
-                chunks = run
-            else:  # a window or a state is stored only at a chunk's very end
-                chunks = min(chunks, (request.num_prompt_tokens - 1) // self.chunk_tokens)
-        for candidate in range(chunks, local, -1):
-            hit = self._hit_tokens(request, candidate)
-            if hit > local_tokens and all(
-                stored[g.index][position // (self.chunk_tokens // g.block_size)]
-                for g in self.groups
-                if g.kind != FULL
-                for position in g.fresh_range(local_tokens, hit)
-            ):
-                return candidate
-        return local
 
     def _stored(self, chunk_keys: list[bytes]) -> list[list[bool]] | None:
         """Per group and chunk, whether the store holds every rank's share; None if it
@@ -481,7 +425,7 @@ class MaruScheduler:
     def _plan(self, state: RequestState, computed: int, meta: MaruConnectorMetadata) -> None:
         """Plan the save of every chunk that completes with `computed` tokens, per group:
         what the group stores of it, if vLLM still holds all of it."""
-        complete = min(computed // self.chunk_tokens, len(state.keys)) if self.saves else 0
+        complete = min(computed // self.chunk_tokens, len(state.keys)) if self.role.saves else 0
         for chunk in range(state.planned_chunks, complete):
             for group in self.groups:
                 block_ids = self._saved_blocks(state, group, chunk, computed)
@@ -540,10 +484,8 @@ class MaruScheduler:
         if saving and not self.saves_hold_blocks:
             self.saves_settled({request.request_id})
         params = None
-        if self.role == "kv_producer" and state is not None and state.planned_chunks:
-            params = {
-                HANDOFF: {"namespace": self.key_prefix().decode(), "chunks": state.planned_chunks}
-            }
+        if self.role.names_chunks and state is not None and state.planned_chunks:
+            params = handoff(self.key_prefix().decode(), state.planned_chunks)
         if saving and self.saves_hold_blocks:
             self.held.add(request.request_id)
         return saving and self.saves_hold_blocks, params
@@ -551,16 +493,3 @@ class MaruScheduler:
     def close(self) -> None:
         log.info("maru: scheduler half since start-up: %s", self.stats.lifetime)
         self.store.close()
-
-
-def store_events(
-    vllm_config: Any, config: MaruConfig, shares: Callable[[bytes], list[bytes]]
-) -> StoreEvents | None:
-    """The KV-event tracker, where vLLM publishes KV events and lets connectors add to
-    them; None (and nothing tracked) otherwise."""
-    events_config = getattr(vllm_config, "kv_events_config", None)
-    if not (events_config and events_config.enable_kv_cache_events):
-        return None
-    if not compat.has_hook("take_events"):
-        return None  # said at start-up (`compat.say_what_this_release_lacks`)
-    return StoreEvents(f"maru:{config.backend}", vllm_config.cache_config.block_size, shares)

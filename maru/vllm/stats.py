@@ -15,7 +15,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from maru.backends.base import Backend
+from maru.log import get_logger
 from maru.vllm.compat import KVConnectorStats
+
+log = get_logger(__name__)
 
 Kind = Literal["counter", "error", "latency", "gauge"]
 
@@ -203,3 +207,21 @@ class MaruConnectorStats(KVConnectorStats):
         taken = MaruConnectorStats(dict(self.data))
         self.reset()
         return taken
+
+
+def store_gauges(store: Backend) -> dict[Stat, int] | None:
+    """The store's own figures as the gauges report them; None if it cannot say (gauges
+    are best effort: never a failed step for them)."""
+    try:
+        figures = store.stats()
+    except Exception as exc:
+        log.debug("maru: store stats unavailable: %s", exc)
+        return None
+    if figures is None:
+        return None
+    return {
+        STORE_CAPACITY: figures.capacity,
+        STORE_USED: figures.used,
+        STORE_OBJECTS: figures.objects,
+        STORE_EVICTIONS: figures.evictions,
+    }
