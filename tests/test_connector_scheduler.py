@@ -242,9 +242,13 @@ def test_on_a_device_a_request_that_saved_keeps_its_blocks_until_its_saves_are_d
     assert "a" not in h.scheduler.requests or h.scheduler.requests["a"].is_finished()
     assert h.free_blocks() < free, "its saves may still be copying from its blocks"
     assert h.connector.has_pending_block_frees(), "vLLM waits for them rather than preempt"
-    h.step()  # the worker reports the saves done
+    assert h.scheduler.has_requests(), "an idle engine still runs the next step"
+    assert not h.scheduler.reset_prefix_cache()
+    h.step()  # the worker reports the saves done (it waits for their copies)
     assert h.free_blocks() == free
     assert not h.connector.has_pending_block_frees()
+    assert h.scheduler.reset_prefix_cache(), "as without maru, once the copies are done"
+    assert not h.scheduler.has_requests()
 
 
 def test_on_the_cpu_a_request_that_saved_frees_its_blocks_at_once(harness) -> None:

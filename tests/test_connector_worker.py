@@ -410,7 +410,7 @@ def test_an_unknown_rank_with_tensor_parallelism_turns_the_worker_off(
         assert store.contains([rank_key(b"k1", 0), rank_key(b"k1", 1)]) == [False, False]
 
 
-def test_a_save_is_committed_and_its_blocks_released_only_once_copied(tiny_model, pool) -> None:
+def test_a_save_is_committed_only_once_copied(tiny_model, pool) -> None:
     source = kv_caches(1)
     queue = DeferredQueue()  # a stream that has not run the copies yet
     writer = worker(tiny_model, pool, source, queue=queue)
@@ -418,16 +418,33 @@ def test_a_save_is_committed_and_its_blocks_released_only_once_copied(tiny_model
     key = rank_key(b"k0", 0)
     with maru.open_store(backend="mock", mock={"name": pool}) as store:
         assert store.contains([key]) == [False], "not visible before its copies are done"
-        assert writer.get_finished({"r"}) == (None, None), "vLLM keeps the blocks meanwhile"
+        assert writer.get_finished(set()) == (None, None), "r is still running"
+        assert store.contains([key]) == [False]
         queue.drain()
-        assert writer.get_finished(set()) == ({"r"}, None)
-        assert store.contains([key]) == [True]
+        assert writer.get_finished(set()) == (None, None)
+        assert store.contains([key]) == [True], "committed at the first call after its copies"
     target = kv_caches(None)
     run_step(
         worker(tiny_model, pool, target),
         MaruConnectorMetadata(loads=[ChunkTransfer(b"k0", [11, 12])]),
     )
     assert same_blocks(source, [3, 7], target, [11, 12])
+
+
+def test_a_finished_request_is_reported_in_the_next_step_once_its_copies_are_done(
+    tiny_model, pool
+) -> None:
+    """vLLM runs one step after a request finishes (even in an idle engine, in every
+    release) and frees its blocks when the worker reports it: the worker waits there
+    for its copies, so no finished request's blocks stay held."""
+    queue = DeferredQueue()
+    writer = worker(tiny_model, pool, kv_caches(1), queue=queue)
+    run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7], req_id="r")]))
+    run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k1", [4, 8], req_id="s")]))
+    assert writer.get_finished({"r"}) == ({"r"}, None)
+    with maru.open_store(backend="mock", mock={"name": pool}) as store:
+        assert store.contains([rank_key(b"k0", 0)]) == [True]
+    assert queue.ran < len(queue.queued), "s, still running, is not waited for"
 
 
 def test_requests_without_saves_are_not_reported(tiny_model, pool) -> None:

@@ -10,7 +10,7 @@ its data path, so a test can hand it one with a slowed-down or failing queue.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,7 +126,6 @@ class MaruWorker:
         self.in_flight: list[PendingSave] = []
         self.saving_requests: set[str] = set()
         """Requests with a planned save: their blocks are freed once they are reported."""
-        self.finishing: set[str] = set()
 
     def _share(self, parallel: Any) -> int:
         """This worker's share index; with an unknown rank the store is off (guessing 0
@@ -394,11 +393,12 @@ class MaruWorker:
                 self.pending.clear()
         self.commit_copied()
 
-    def commit_copied(self, wait: bool = False) -> None:
-        """Commit every save whose copies are done (with `wait`: all of them)."""
+    def commit_copied(self, wait: bool = False, waiting_for: Collection[str] = ()) -> None:
+        """Commit every save whose copies are done, after waiting for the copies of all
+        saves (`wait`) or of the requests `waiting_for`."""
         still = []
         for pending in self.in_flight:
-            if wait:
+            if wait or pending.req_id in waiting_for:
                 with self.stats.timing(SAVE_SECONDS):
                     pending.copied.wait()
             if pending.copied.done():
@@ -439,13 +439,12 @@ class MaruWorker:
             self.saving_requests.update(t.req_id for t in transfers)
 
     def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
-        """Finished requests whose saves are all committed (or dropped): vLLM may free
-        their blocks now."""
-        self.commit_copied()
-        self.finishing |= finished_req_ids & self.saving_requests
-        busy = {pending.req_id for pending in self.in_flight}
-        done = self.finishing - busy
-        self.finishing -= done
+        """The requests that finished last step and saved: their copies (queued a step
+        ago, so done or nearly) are waited for and committed, and vLLM frees their blocks
+        now. Every finished request is thus reported in the step after it finished, the
+        one every vLLM release runs, so an idle engine holds no blocks."""
+        done = finished_req_ids & self.saving_requests
+        self.commit_copied(waiting_for=done)
         self.saving_requests -= done
         return done
 
