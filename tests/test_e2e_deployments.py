@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from maru.cli._engine import run_engine
+from maru.cli._engine import run_engine, start_engine
+from tests.kv_events import received_events, subscribe_to_kv_events, wait_until_connected
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +91,38 @@ def test_maru_as_a_child_of_multiconnector(tiny_model, pool_names, tmp_path, own
     assert metrics["vllm:maru_hit_tokens"] == LOADED, "its Prometheus metrics"
     assert reader.external_cached_tokens == [LOADED]
     assert reader.token_ids == own_hit.token_ids[1:]
+
+
+def test_maru_kv_events_reach_a_router_through_multiconnector(tiny_model, pool_names, tmp_path):
+    """MultiConnector hands on its children's events: a router subscribed to vLLM's KV
+    events sees maru's BlockStored for every chunk maru saved, under maru's medium, with
+    vLLM's own block hashes and the chunk's tokens."""
+    endpoint = f"ipc://{tmp_path}/kv-events"
+    socket, monitor = subscribe_to_kv_events(endpoint)
+    engine = start_engine(
+        tiny_model,
+        [PROMPT],
+        held=True,
+        kv_transfer_config=multi(example(tmp_path / "example"), maru(pool_names())),
+        llm_kwargs={
+            "kv_events_config": {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": endpoint,
+            }
+        },
+    )
+    engine.wait_built()
+    wait_until_connected(socket, monitor)
+    run = engine.result()
+    events = received_events(socket)
+    stored = [e for e in events if type(e).__name__ == "BlockStored"]
+    ours = [e for e in stored if (e.medium or "").startswith("maru:")]
+    assert len(ours) == run.extra["connector_totals"]["saves"] == LOADED // 64
+    assert {e.medium for e in ours} == {"maru:shm"}
+    vllms_own = {h for e in stored if e not in ours for h in e.block_hashes}
+    assert {h for e in ours for h in e.block_hashes} <= vllms_own
+    assert [e.token_ids for e in ours] == [PROMPT[c * 64 : (c + 1) * 64] for c in range(4)]
 
 
 @pytest.mark.parametrize("reset_connector", [False, True])

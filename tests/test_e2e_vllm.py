@@ -19,6 +19,7 @@ from maru.cli._engine import run_engine, start_engine
 from maru.cli._tiny_model import build_tiny_llama
 from maru.vllm.keys import parse_key
 from tests.conftest import unique_name
+from tests.kv_events import received_events, subscribe_to_kv_events, wait_until_connected
 
 pytestmark = pytest.mark.slow
 
@@ -227,46 +228,6 @@ def test_chunks_an_engine_holds_are_saved_again_once_the_store_lost_them(tiny_mo
     engine_b = run_engine(tiny_model, [prompt], kv_transfer_config=config)
     assert engine_b.external_cached_tokens == [4 * CHUNK]
     assert engine_b.token_ids == engine_a.token_ids[2:]
-
-
-def subscribe_to_kv_events(endpoint: str):
-    """A ZMQ subscriber to vLLM's KV event publisher at `endpoint` (an ipc:// one, which
-    the publisher binds; the subscriber may connect first), and a monitor of its
-    connection (`wait_until_connected`)."""
-    import zmq
-
-    socket = zmq.Context.instance().socket(zmq.SUB)
-    socket.setsockopt(zmq.SUBSCRIBE, b"")
-    monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    socket.connect(endpoint)
-    return socket, monitor
-
-
-def wait_until_connected(socket, monitor, timeout_s: float = 120.0) -> None:
-    """Wait for the subscriber's handshake with the publisher: its subscription goes out
-    with it, so batches published from then on reach it."""
-    from zmq.utils.monitor import recv_monitor_message
-
-    try:
-        assert monitor.poll(timeout_s * 1000), "the publisher never accepted the subscriber"
-        recv_monitor_message(monitor)
-    finally:
-        socket.disable_monitor()
-        monitor.close(linger=0)
-
-
-def received_events(socket) -> list:
-    """Every event of the batches published so far, in order."""
-    import msgspec
-    from vllm.distributed.kv_events import KVEventBatch
-
-    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-    events = []
-    while socket.poll(3000):
-        _topic, _seq, payload = socket.recv_multipart()
-        events.extend(decoder.decode(payload).events)
-    socket.close(linger=0)
-    return events
 
 
 def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_pool, tmp_path):
