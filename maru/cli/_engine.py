@@ -32,16 +32,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-MIB = 1 << 20
-
-PREFIX_CACHE_METRICS = (
-    "vllm:prefix_cache_queries",
-    "vllm:prefix_cache_hits",
-    "vllm:external_prefix_cache_queries",
-    "vllm:external_prefix_cache_hits",
+from maru.cli._engine_inspect import (
+    connector_description,
+    connector_metrics,
+    connector_totals,
+    kv_cache_container,
+    kv_cache_groups,
+    prefix_metrics,
 )
-"""Prometheus counters (tokens) that split vLLM's local prefix-cache hits from a KV
-connector's external hits; `RequestOutput.num_cached_tokens` only gives their sum."""
+
+MIB = 1 << 20
 
 
 class EngineRunError(RuntimeError):
@@ -69,7 +69,7 @@ class EngineRun:
     """`RequestOutput.kv_transfer_params` per prompt (whatever the connector's
     `request_finished` returned; None for most connectors)."""
     metrics: dict[str, float]
-    """Prefix-cache counters at the end of the run (see `PREFIX_CACHE_METRICS`)."""
+    """Prefix-cache counters at the end of the run (`_engine_inspect.PREFIX_CACHE_METRICS`)."""
     startup_s: float
     """Seconds to import vLLM and construct the `LLM` (model load, KV cache allocation)."""
     generate_s: float
@@ -351,14 +351,14 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     t1 = time.perf_counter()
     if sequential:
         for prompt in prompts:
-            before = _prefix_metrics(llm)
+            before = prefix_metrics(llm)
             outputs.extend(llm.generate([prompt], params, use_tqdm=False))
-            after = _prefix_metrics(llm)
+            after = prefix_metrics(llm)
             key = "vllm:external_prefix_cache_hits"
             hits = after.get(key, 0.0) - before.get(key, 0.0)
             external.append(int(hits) if has_connector else None)
             if has_connector:
-                totals_after.append(_connector_totals(llm))
+                totals_after.append(connector_totals(llm))
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         external = [None] * len(prompts)
@@ -377,15 +377,15 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     extra["num_gpu_blocks"] = cache_config.num_gpu_blocks
     extra["cache_dtype"] = str(cache_config.cache_dtype)
     extra["model_dtype"] = str(llm.llm_engine.vllm_config.model_config.dtype)
-    extra["kv_cache_groups"] = _kv_cache_groups(llm)
+    extra["kv_cache_groups"] = kv_cache_groups(llm)
 
     kv_connector = None
     if has_connector:
         kv_connector = job["kv_transfer_config"].get("kv_connector")
-        extra["connector_totals"] = _connector_totals(llm)
-        extra["connector"] = _connector_description(llm)
-        extra["connector_metrics"] = _connector_metrics(llm)
-        extra["kv_cache_container"] = _kv_cache_container(llm)
+        extra["connector_totals"] = connector_totals(llm)
+        extra["connector"] = connector_description(llm)
+        extra["connector_metrics"] = connector_metrics(llm)
+        extra["kv_cache_container"] = kv_cache_container(llm)
         extra["connector_totals_after_prompt"] = totals_after
 
     run = EngineRun(
@@ -394,112 +394,13 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
         num_cached_tokens=[getattr(out, "num_cached_tokens", None) for out in outputs],
         external_cached_tokens=external,
         kv_transfer_params=[getattr(out, "kv_transfer_params", None) for out in outputs],
-        metrics=_prefix_metrics(llm),
+        metrics=prefix_metrics(llm),
         startup_s=startup_s,
         generate_s=generate_s,
         kv_connector=kv_connector,
         extra=extra,
     )
     return asdict(run)
-
-
-def _connector_halves(llm: Any) -> list[Any]:
-    """The scheduler's connector and this process's worker connector, if there is one.
-
-    The engine core and the worker are in this process (no V1 multiprocessing), so
-    both are reachable here."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    halves = [llm.llm_engine.engine_core.engine_core.scheduler.connector]
-    if has_kv_transfer_group():
-        halves.append(get_kv_transfer_group())
-    return [child for connector in halves for child in _children(connector)]
-
-
-def _children(connector: Any) -> list[Any]:
-    """A connector, or the connectors a MultiConnector combines."""
-    return list(getattr(connector, "_connectors", None) or [connector])
-
-
-def _connector_description(llm: Any) -> dict[str, Any]:
-    """What maru's connector halves decided at start-up: the layout adapter and
-    fingerprint a worker found, the identity the scheduler's namespace covers."""
-    described: dict[str, Any] = {}
-    for connector in _connector_halves(llm):
-        worker = getattr(connector, "worker_half", None)
-        scheduler = getattr(connector, "scheduler_half", None)
-        if worker is not None:
-            names = sorted({path.adapter.name for path in worker.paths.values()})
-            described["layout_adapter"] = ",".join(names) or None
-            described["layout_fingerprint"] = worker.fingerprint
-        if scheduler is not None:
-            described["identity"] = scheduler.identity()
-    return described
-
-
-CONNECTOR_METRICS = ("vllm:maru_", "vllm:prompt_tokens_cached_by_source")
-"""maru's metrics, and vLLM's count of cached prompt tokens by where they came from."""
-
-
-def _connector_metrics(llm: Any) -> dict[str, Any]:
-    """The `CONNECTOR_METRICS` as vLLM's registry holds them: a counter's or gauge's value,
-    a histogram's count and sum, summed over engines; a `kind` or `source` label goes
-    into the name (`vllm:maru_errors{load}`)."""
-    found: dict[str, Any] = {}
-    for metric in llm.get_metrics():
-        if not metric.name.startswith(CONNECTOR_METRICS):
-            continue
-        label = metric.labels.get("kind", metric.labels.get("source"))
-        name = metric.name + (f"{{{label}}}" if label else "")
-        if hasattr(metric, "count"):
-            seen = found.setdefault(name, {"count": 0, "sum": 0.0})
-            seen["count"] += metric.count
-            seen["sum"] += metric.sum
-        else:
-            found[name] = found.get(name, 0) + metric.value
-    return found
-
-
-def _kv_cache_groups(llm: Any) -> list[str] | None:
-    """The engine's KV cache groups as its scheduler allocates them: each group's spec
-    and layers; None where the engine core runs in another process."""
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    config = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
-    if config is None:
-        return None
-    return [
-        f"{type(group.kv_cache_spec).__name__}: {', '.join(group.layer_names)}"
-        for group in config.kv_cache_groups
-    ]
-
-
-def _kv_cache_container(llm: Any) -> str | None:
-    """The type of an attention layer's `kv_cache`: a list indexed by virtual engine
-    (vLLM <= 0.18) or the tensor itself; None if the layers live in worker processes."""
-    layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    return type(next(iter(layers.values())).kv_cache).__name__ if layers else None
-
-
-def _connector_totals(llm: Any) -> dict[str, float]:
-    """Both maru connector halves' counters since start-up, summed."""
-    totals: dict[str, float] = {}
-    for connector in _connector_halves(llm):
-        for half in (
-            getattr(connector, "worker_half", None),
-            getattr(connector, "scheduler_half", None),
-        ):
-            for name, value in (half.stats.lifetime if half is not None else {}).items():
-                totals[name] = totals.get(name, 0) + value
-    return totals
-
-
-def _prefix_metrics(llm: Any) -> dict[str, float]:
-    """Current values of the prefix-cache counters, summed over engines."""
-    totals: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if metric.name in PREFIX_CACHE_METRICS:
-            totals[metric.name] = totals.get(metric.name, 0.0) + float(metric.value)
-    return totals
 
 
 def main(argv: list[str] | None = None) -> int:
