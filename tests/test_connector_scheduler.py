@@ -7,18 +7,22 @@ import logging
 import pytest
 
 from maru.vllm.keys import rank_key
+from maru.vllm.tails import own_tail
 from tests import vllm_harness
 from tests.conftest import unique_name
 from tests.vllm_harness import SchedulerHarness
 
 CHUNK = 64
+OBJECTS = 5
+"""What a 300-token prompt is stored as: 4 whole 64-token chunks (blocks 0-7) and its
+tail, block 8 (tokens 256-287: its last whole block)."""
 
 
 def tokens(count: int, start: int = 1) -> list[int]:
     return list(range(start, start + count))
 
 
-def test_a_miss_computes_everything_and_saves_every_whole_chunk(harness) -> None:
+def test_a_miss_computes_everything_and_saves_every_whole_chunk_and_the_tail(harness) -> None:
     h = harness()
     h.add("a", tokens(300))
     output, meta = h.step()
@@ -30,6 +34,7 @@ def test_a_miss_computes_everything_and_saves_every_whole_chunk(harness) -> None
         blocks[2:4],
         blocks[4:6],
         blocks[6:8],
+        blocks[8:9],
     ]
     assert all(save.first_block == 0 for save in meta.saves)
 
@@ -64,6 +69,50 @@ def test_a_fully_stored_prompt_still_computes_its_last_token(harness) -> None:
         h.block_ids("again")[i : i + 2] for i in range(0, 8, 2)
     ]
     assert meta.saves == []
+
+
+def test_the_same_prompt_hits_every_whole_block_as_vllms_own_cache_would(harness) -> None:
+    h = harness()
+    first = h.add("first", tokens(300))
+    h.step()
+    second = h.add("second", tokens(300))
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"second": 300 - 9 * 32}, "computed: 12, not 44"
+    blocks = h.block_ids("second")
+    tail = own_tail(first, h.connector.scheduler.key_prefix(), 2, vllm_harness.BLOCK_SIZE)
+    assert [(load.key, load.block_ids) for load in meta.loads] == [
+        (key, blocks[2 * c : 2 * c + 2]) for c, key in enumerate(h.chunk_keys(second))
+    ] + [(tail.key, blocks[8:9])]
+    assert meta.saves == []
+    assert h.stats["hit_tokens"] == 288
+
+
+def test_a_longer_prompt_finds_the_tail_of_the_prompt_it_begins_with(harness) -> None:
+    """A chat's next turn: the earlier prompt's tail ends inside a chunk of the new one,
+    whose whole chunk the store lacks; the probe after the stored chunks finds it."""
+    h = harness()
+    first = h.add("first", tokens(300))
+    h.step()
+    turn = h.add("turn", tokens(600))
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"turn": 600 - 9 * 32}
+    tail = own_tail(first, h.connector.scheduler.key_prefix(), 2, vllm_harness.BLOCK_SIZE)
+    blocks, keys = h.block_ids("turn"), h.chunk_keys(turn)
+    assert meta.loads[-1].key == tail.key and meta.loads[-1].block_ids == blocks[8:9]
+    assert [save.key for save in meta.saves] == keys[4:], "its own chunks from the tail's on"
+    assert own_tail(turn, h.connector.scheduler.key_prefix(), 2, 32) is None, "18 whole blocks"
+
+
+def test_a_prompt_that_diverges_inside_a_tail_hits_only_what_it_shares(harness) -> None:
+    """Tails are found by their own last block: a prompt that diverges inside the tail's
+    blocks finds only what it shares."""
+    h = harness()
+    h.add("first", tokens(96))  # chunk 0 and a 1-block tail: block 2
+    h.step()
+    other = h.add("other", tokens(64) + tokens(40, start=7000))
+    output, meta = h.step()
+    assert output.num_scheduled_tokens == {"other": 104 - 64}, "chunk 0 only"
+    assert [load.key for load in meta.loads] == h.chunk_keys(other)[:1]
 
 
 def test_only_the_leading_run_of_stored_chunks_is_a_hit(harness) -> None:
@@ -144,7 +193,10 @@ def test_one_batched_lookup_per_request(harness, monkeypatch) -> None:
     monkeypatch.setattr(store, "contains", lambda keys: calls.append(len(keys)) or original(keys))
     h.add("second", tokens(600))
     h.step()
-    assert calls == [9], "all 9 whole chunks of the prompt in one call"
+    assert calls == [9, 1], (
+        "all 9 whole chunks of the prompt in one call; after the 4 stored, the tails that "
+        "could follow them (one block: the first's tail) in another"
+    )
 
 
 def test_asking_again_for_a_request_it_could_not_schedule_has_no_side_effects(
@@ -163,7 +215,7 @@ def test_asking_again_for_a_request_it_could_not_schedule_has_no_side_effects(
     for _ in range(3):
         h.step()
         assert h.scheduler.requests["second"].num_computed_tokens == 0, "still waiting"
-    assert calls == [4], "one lookup of its 4 chunks"
+    assert calls == [5, 1], "one lookup: its 4 chunks and its tail, then the tails after none"
     assert h.stats["miss_tokens"] == 256, "the first's misses; the second's not yet"
     while "second" in h.scheduler.requests:
         h.step()
@@ -183,8 +235,8 @@ def test_chunked_prefill_saves_each_chunk_in_the_step_it_completes(harness) -> N
         == [
             [blocks[0:2]],  # tokens 0-95: chunk 0 complete
             [blocks[2:4], blocks[4:6]],  # tokens 96-191: chunks 1 and 2
-            [blocks[6:8]],  # tokens 192-287: chunk 3
-            [],  # tokens 288-299: no whole chunk
+            [blocks[6:8], blocks[8:9]],  # tokens 192-287: chunk 3 and the tail
+            [],  # tokens 288-299: no whole block
         ]
     )
 
@@ -259,7 +311,7 @@ def test_on_the_cpu_a_request_that_saved_frees_its_blocks_at_once(harness) -> No
     free = h.free_blocks()
     h.add("a", tokens(300))
     _, meta = h.step()
-    assert len(meta.saves) == 4
+    assert len(meta.saves) == OBJECTS
     assert "a" not in h.scheduler.requests
     assert h.free_blocks() == free
 
@@ -334,8 +386,11 @@ def test_saved_chunks_are_announced_with_their_blocks_once_the_store_has_them(ha
     request = h.add("a", prompt)
     h.step()
     stored = maru_events(h, "BlockStored")
-    assert len(stored) == 4, "one event per whole chunk saved"
+    assert len(stored) == OBJECTS, "one event per object saved: whole chunks, the tail"
     hashes = as_published(request.block_hashes)
+    tail = stored.pop()
+    assert tail.block_hashes == hashes[8:9] and tail.parent_block_hash == hashes[7]
+    assert tail.token_ids == prompt[256:288]
     for chunk, event in enumerate(stored):
         assert event.medium == "maru:mock"
         assert event.block_size == vllm_harness.BLOCK_SIZE
@@ -343,7 +398,7 @@ def test_saved_chunks_are_announced_with_their_blocks_once_the_store_has_them(ha
         assert event.parent_block_hash == (hashes[2 * chunk - 1] if chunk else None)
         assert event.token_ids == prompt[CHUNK * chunk : CHUNK * (chunk + 1)]
     h.step()
-    assert len(maru_events(h, "BlockStored")) == 4, "announced once"
+    assert len(maru_events(h, "BlockStored")) == OBJECTS, "announced once"
 
 
 def test_a_save_that_never_reached_the_store_is_never_announced(harness, monkeypatch) -> None:
@@ -356,11 +411,11 @@ def test_a_save_that_never_reached_the_store_is_never_announced(harness, monkeyp
     h.step()  # the worker reports the request's saves done
     announced = [e.block_hashes for e in maru_events(h, "BlockStored")]
     hashes = as_published(request.block_hashes)
-    assert announced == [hashes[0:2], hashes[4:6], hashes[6:8]]
+    assert announced == [hashes[0:2], hashes[4:6], hashes[6:8], hashes[8:9]]
     put(lost, b"pages")  # stored later, by another instance
-    h.add("b", tokens(40, start=9000))  # any step polls
+    h.add("b", tokens(20, start=9000))  # any step polls
     h.step()
-    assert len(maru_events(h, "BlockStored")) == 3, "forgotten once the worker was done"
+    assert len(maru_events(h, "BlockStored")) == 4, "forgotten once the worker was done"
 
 
 def test_chunks_another_process_evicts_are_removed_through_the_log(
@@ -382,7 +437,7 @@ def test_chunks_another_process_evicts_are_removed_through_the_log(
     evictor.start()
     evictor.join(60)
     assert evictor.exitcode == 0
-    h.add("b", tokens(40, start=9000))  # any step polls
+    h.add("b", tokens(20, start=9000))  # any step polls
     h.step()
     [removed] = maru_events(h, "BlockRemoved")
     assert removed.medium == "maru:shm"
@@ -410,10 +465,10 @@ def test_a_reset_removes_every_announced_chunk(harness) -> None:
     h.step()
     h.step()  # the request's blocks are free: vLLM resets only then
     assert h.scheduler.reset_prefix_cache(reset_connector=True)
-    h.add("b", tokens(40, start=9000))
+    h.add("b", tokens(20, start=9000))
     h.step()
     [removed] = maru_events(h, "BlockRemoved")
-    assert removed.block_hashes == as_published(request.block_hashes[:8])
+    assert removed.block_hashes == as_published(request.block_hashes[:9])
 
 
 def test_without_kv_events_nothing_is_tracked(harness) -> None:
@@ -445,7 +500,7 @@ def test_a_release_without_the_optional_hooks_still_shares_and_says_so(
     h.step()
     h.add("second", tokens(300))
     _, meta = h.step()
-    assert len(meta.loads) == 4, "it still shares"
+    assert len(meta.loads) == OBJECTS, "it still shares"
 
 
 def test_a_producer_saves_and_does_not_load(harness) -> None:
@@ -453,7 +508,7 @@ def test_a_producer_saves_and_does_not_load(harness) -> None:
     h = harness(kv_role="kv_producer")
     h.add("a", tokens(300))
     _, meta = h.step()
-    assert len(meta.saves) == 4
+    assert len(meta.saves) == OBJECTS
     h.add("b", tokens(300))
     _, again = h.step()
     assert (again.loads, again.saves) == ([], []), "stored already: nothing to save"
@@ -465,7 +520,7 @@ def test_a_producer_loads_when_asked_to(harness) -> None:
     h.step()
     h.add("b", tokens(300))
     _, meta = h.step()
-    assert len(meta.loads) == 4
+    assert len(meta.loads) == OBJECTS
 
 
 def test_a_consumer_loads_and_never_saves(harness) -> None:
@@ -480,7 +535,7 @@ def test_a_consumer_loads_and_never_saves(harness) -> None:
     producer.step()
     consumer.add("b", tokens(300))
     _, meta = consumer.step()
-    assert len(meta.loads) == 4 and meta.saves == []
+    assert len(meta.loads) == OBJECTS and meta.saves == []
 
 
 def test_every_pipeline_stages_layout_goes_into_the_namespace(harness) -> None:
@@ -526,7 +581,7 @@ def test_the_layout_arrives_on_the_per_connector_worker_channel(harness) -> None
     assert h.connector.scheduler.identity()["layout"] == "layout-1"
     h.add("a", tokens(300))
     _, meta = h.step()
-    assert len(meta.saves) == 4
+    assert len(meta.saves) == OBJECTS
 
 
 def test_a_consumer_waits_for_the_chunks_its_producer_named(harness) -> None:
@@ -547,7 +602,7 @@ def test_a_consumer_waits_for_the_chunks_its_producer_named(harness) -> None:
         producer.step()
     assert producer.transfer_params["r"] == named
     _, meta = consumer.step()
-    assert len(meta.loads) == 4
+    assert len(meta.loads) == OBJECTS
 
 
 def test_a_consumer_computes_what_is_not_there_by_its_deadline(harness) -> None:
@@ -579,5 +634,6 @@ def test_with_async_scheduling_keys_saves_and_frees_stay_right(harness) -> None:
     free = ahead.free_blocks()
     request, saved = run(ahead, ahead.step_ahead)
     assert saved == run(in_step, in_step.step)[1]
-    assert [key for key, _ in saved] == ahead.chunk_keys(request)
+    tail = own_tail(request, ahead.connector.scheduler.key_prefix(), 2, vllm_harness.BLOCK_SIZE)
+    assert [key for key, _ in saved] == [*ahead.chunk_keys(request), tail.key]
     assert "a" not in ahead.scheduler.requests and ahead.free_blocks() == free

@@ -410,6 +410,22 @@ def test_an_unknown_rank_with_tensor_parallelism_turns_the_worker_off(
         assert store.contains([rank_key(b"k1", 0), rank_key(b"k1", 1)]) == [False, False]
 
 
+def test_a_tail_object_holds_fewer_blocks_and_loads_only_those(tiny_model, pool) -> None:
+    """A prompt's last whole blocks after its whole chunks are one shorter object."""
+    source = kv_caches(1)
+    run_step(
+        worker(tiny_model, pool, source),
+        MaruConnectorMetadata(saves=[ChunkTransfer(b"tail", [5], req_id="r")]),
+    )
+    target = kv_caches(None)
+    reader = worker(tiny_model, pool, target)
+    failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"tail", [11])]))
+    assert failed == set() and same_blocks(source, [5], target, [11])
+    failed = run_step(reader, MaruConnectorMetadata(loads=[ChunkTransfer(b"tail", [12, 13])]))
+    assert failed == {12, 13}, "more blocks than the object holds"
+    assert not any(target[n][12:14].any() for n in LAYER_NAMES)
+
+
 def test_a_save_is_committed_only_once_copied(tiny_model, pool) -> None:
     source = kv_caches(1)
     queue = DeferredQueue()  # a stream that has not run the copies yet

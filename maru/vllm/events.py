@@ -172,10 +172,11 @@ def external_hash(block_hash: bytes) -> Any:
     return maybe_convert_block_hash(block_hash)
 
 
-def request_chunk(request: Any, chunk: int, blocks_per_chunk: int, block_size: int) -> Chunk:
-    """What the `BlockStored` of a request's chunk says: its blocks' hashes, the hash of
-    the block before it, its tokens, and the request's LoRA adapter."""
-    first, end = chunk * blocks_per_chunk, (chunk + 1) * blocks_per_chunk
+def request_blocks(request: Any, blocks: range, block_size: int) -> Chunk:
+    """What the `BlockStored` of an object of a request's `blocks` (a chunk's, or a
+    tail's) says: their hashes, the hash of the block before them, their tokens, and the
+    request's LoRA adapter."""
+    first, end = blocks.start, blocks.stop
     hashes = request.block_hashes
     lora = getattr(request, "lora_request", None)
     return Chunk(

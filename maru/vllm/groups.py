@@ -166,10 +166,10 @@ def loads_async(groups: list[KVGroup]) -> bool:
     return len(groups) > 1
 
 
-def hit_tokens(chunks: int, prompt_tokens: int, chunk_tokens: int) -> int:
-    """Tokens a hit of `chunks` whole chunks lets vLLM skip (never the last prompt
-    token, which must be computed to sample)."""
-    return min(chunks * chunk_tokens, prompt_tokens - 1)
+def hit_tokens(chunks: int, prompt_tokens: int, chunk_tokens: int, tail_tokens: int = 0) -> int:
+    """Tokens a hit of `chunks` whole chunks (and a tail's tokens after them) lets vLLM
+    skip (never the last prompt token, which must be computed to sample)."""
+    return min(chunks * chunk_tokens + tail_tokens, prompt_tokens - 1)
 
 
 def hit_chunks(

@@ -17,7 +17,7 @@ from maru.config import MaruConfig
 from maru.errors import MaruError
 from maru.log import get_logger
 from maru.vllm import compat, keys
-from maru.vllm.events import chunks_held, request_chunk, store_events
+from maru.vllm.events import chunks_held, request_blocks, store_events
 from maru.vllm.groups import (
     STATE,
     KVGroup,
@@ -47,6 +47,7 @@ from maru.vllm.stats import (
     Stat,
     store_gauges,
 )
+from maru.vllm.tails import Tail, candidates, own_tail, serves_tails
 
 log = get_logger(__name__)
 
@@ -83,6 +84,11 @@ class RequestState:
     loads: list[ChunkTransfer] = field(default_factory=list)
     hit_chunks: int = 0
     """The lookup's answer: chunks at whose end every group can be served."""
+    tail: Tail | None = None
+    """The rest of the answer: a tail object of blocks after those chunks."""
+    own_tail: Tail | None = None
+    """The request's own tail, to save once its prompt is computed (None: the store
+    holds it, or the prompt has none)."""
     looked_up_at: float = field(default_factory=time.monotonic)
     allocated: bool = False
     """vLLM allocated the request's blocks: its lookup's outcome is counted."""
@@ -129,6 +135,9 @@ class MaruScheduler:
         check_chunk_tokens(self.groups, self.chunk_tokens)
         self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         """Tokens per entry of `request.block_hashes`."""
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.tails = serves_tails(self.groups, self.block_size, self.hash_block_size)
+        """Hits and saves reach a prompt's last whole block (`maru.vllm.tails`)."""
         self.loads_async = loads_async(self.groups)
         self.role = Role.of(vllm_config, config)
         self.saves_hold_blocks = vllm_config.device_config.device_type != "cpu"
@@ -271,8 +280,12 @@ class MaruScheduler:
             self.requests[request.request_id] = state
         if self._awaits_producer(request, state):
             return None  # vLLM asks again next step
-        hit = hit_tokens(state.hit_chunks, request.num_prompt_tokens, self.chunk_tokens)
-        return max(0, hit - num_computed_tokens)
+        return max(0, self._hit_tokens(state) - num_computed_tokens)
+
+    def _hit_tokens(self, state: RequestState) -> int:
+        tail = state.tail.blocks * self.block_size if state.tail else 0
+        prompt = state.request.num_prompt_tokens
+        return hit_tokens(state.hit_chunks, prompt, self.chunk_tokens, tail)
 
     def _awaits_producer(self, request: Any, state: RequestState) -> bool:
         """Is this a consumer's request whose producer named chunks the store does not
@@ -296,30 +309,63 @@ class MaruScheduler:
         )
 
     def _look_up(self, request: Any, num_computed_tokens: int) -> RequestState:
-        """Which of the request's chunks the store holds, in one batched lookup."""
+        """Which of the request's chunks (and its own tail) the store holds, in one
+        batched lookup; where the chunks stop short of the prompt, the longest tail after
+        them, in a second."""
         chunk_keys = self.chunk_keys(request)
+        own = self._own_tail(request)
         local = num_computed_tokens // self.chunk_tokens
-        stored = self._stored(chunk_keys)
+        stored = self._stored(chunk_keys + ([own.key] if own else []))
+        own_stored = own is not None and stored is not None and all([s.pop() for s in stored])
         if stored is None:  # no answer: take vLLM's own chunks as stored, save the rest
             stored = [[chunk < local for chunk in range(len(chunk_keys))] for _ in self.groups]
-        state = RequestState(request, chunk_keys, stored, local_tokens=num_computed_tokens)
-        loads = self.role.loads and request.request_id not in self.failed_loads
-        state.hit_chunks = (
-            hit_chunks(
-                self.groups,
-                stored,
-                num_computed_tokens,
-                request.num_prompt_tokens,
-                self.chunk_tokens,
-            )
-            if loads
-            else local
+        state = RequestState(
+            request,
+            chunk_keys,
+            stored,
+            local_tokens=num_computed_tokens,
+            own_tail=None if own_stored else own,
         )
+        if not (self.role.loads and request.request_id not in self.failed_loads):
+            state.hit_chunks = local
+            return state
+        state.hit_chunks = hit_chunks(
+            self.groups, stored, num_computed_tokens, request.num_prompt_tokens, self.chunk_tokens
+        )
+        if own_stored and own.chunk == state.hit_chunks:
+            state.tail = own
+        elif self.tails:
+            state.tail = self._longest_tail(request, state.hit_chunks, num_computed_tokens, own)
         return state
 
-    def _stored(self, chunk_keys: list[bytes]) -> list[list[bool]] | None:
+    def _own_tail(self, request: Any) -> Tail | None:
+        if not self.tails:
+            return None
+        return own_tail(request, self.key_prefix(), self.blocks_per_chunk, self.block_size)
+
+    def _longest_tail(
+        self, request: Any, chunk: int, local_tokens: int, probed: Tail | None
+    ) -> Tail | None:
+        """The longest tail after `chunk` whole chunks that the store holds and that adds
+        to vLLM's own hit (`probed` was looked up already)."""
+        tails = [
+            tail
+            for tail in candidates(
+                request, self.key_prefix(), chunk, self.blocks_per_chunk, self.block_size
+            )
+            if tail != probed
+            and tail.block_range(self.blocks_per_chunk).stop * self.block_size > local_tokens
+        ]
+        held = self._stored([tail.key for tail in tails], counted=False)
+        if held is None:
+            return None
+        return next(
+            (tail for tail, *in_groups in zip(tails, *held, strict=True) if all(in_groups)), None
+        )
+
+    def _stored(self, chunk_keys: list[bytes], counted: bool = True) -> list[list[bool]] | None:
         """Per group and chunk, whether the store holds every rank's share; None if it
-        cannot say."""
+        cannot say. A `counted` lookup is a request's (a tail's probe is part of one)."""
         if not chunk_keys:
             return [[] for _ in self.groups]
         store = self.store.available()
@@ -334,11 +380,11 @@ class MaruScheduler:
                 )
             )
         except Exception as exc:
-            self.stats.add(LOOKUPS)
+            self.stats.add(LOOKUPS, int(counted))
             self.stats.add(LOOKUP_ERRORS)
             self.store.failed(exc)
             return None
-        self.stats.add(LOOKUPS)
+        self.stats.add(LOOKUPS, int(counted))
         self.keep_record(store)
         return [[next(held) for _ in chunk_keys] for _ in self.groups]
 
@@ -374,24 +420,24 @@ class MaruScheduler:
                 if position < len(table) and table[position] != NULL_BLOCK:
                     chunk = position // per_chunk
                     first = position - group.stored_range(chunk, self.chunk_tokens).start
-                    self._add_load(state, chunk, group.index, table[position], first)
+                    tail = state.tail is not None and chunk == state.tail.chunk
+                    key = state.tail.key if tail else state.keys[chunk]
+                    self._add_load(state, key, group.index, table[position], first)
 
     def _add_load(
-        self, state: RequestState, chunk: int, group: int, block: int, first: int
+        self, state: RequestState, key: bytes, group: int, block: int, first: int
     ) -> None:
-        """Add one block to the chunk's load (runs of consecutive positions are one)."""
+        """Add one block to its object's load (runs of consecutive positions are one)."""
         last = state.loads[-1] if state.loads else None
         if (
             last is not None
-            and last.key == state.keys[chunk]
+            and last.key == key
             and last.group == group
             and last.first_block + len(last.block_ids) == first
         ):
             last.block_ids.append(block)
             return
-        state.loads.append(
-            ChunkTransfer(state.keys[chunk], [block], first, state.request.request_id, group)
-        )
+        state.loads.append(ChunkTransfer(key, [block], first, state.request.request_id, group))
 
     def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
         """This step's loads (also of requests waiting for them) and the saves of every
@@ -424,28 +470,44 @@ class MaruScheduler:
 
     def _plan(self, state: RequestState, computed: int, meta: MaruConnectorMetadata) -> None:
         """Plan the save of every chunk that completes with `computed` tokens, per group:
-        what the group stores of it, if vLLM still holds all of it."""
-        complete = min(computed // self.chunk_tokens, len(state.keys)) if self.role.saves else 0
+        what the group stores of it, if vLLM still holds all of it; and of the request's
+        own tail once its blocks are computed."""
+        if not self.role.saves:
+            return
+        complete = min(computed // self.chunk_tokens, len(state.keys))
+        per_chunk = self.blocks_per_chunk
         for chunk in range(state.planned_chunks, complete):
             for group in self.groups:
                 block_ids = self._saved_blocks(state, group, chunk, computed)
-                if block_ids is None or state.stored[group.index][chunk]:
-                    continue
-                meta.saves.append(
-                    ChunkTransfer(
-                        state.keys[chunk],
-                        block_ids,
-                        req_id=state.request.request_id,
-                        group=group.index,
-                    )
-                )
-                state.saving = True
-                if self.events is not None and group.index == 0:
-                    k = self.chunk_tokens // self.block_size
-                    self.events.planned(
-                        state.keys[chunk], request_chunk(state.request, chunk, k, self.block_size)
-                    )
+                if block_ids is not None and not state.stored[group.index][chunk]:
+                    blocks = range(chunk * per_chunk, (chunk + 1) * per_chunk)
+                    self._add_save(state, state.keys[chunk], group.index, block_ids, blocks, meta)
         state.planned_chunks = max(state.planned_chunks, complete)
+        tail = state.own_tail
+        if tail is not None and computed >= tail.block_range(per_chunk).stop * self.block_size:
+            state.own_tail = None
+            for group in self.groups:
+                positions = tail.block_range(per_chunk)
+                block_ids = state.block_ids[group.index][positions.start : positions.stop]
+                if len(block_ids) == tail.blocks and NULL_BLOCK not in block_ids:
+                    self._add_save(state, tail.key, group.index, block_ids, positions, meta)
+
+    def _add_save(
+        self,
+        state: RequestState,
+        key: bytes,
+        group: int,
+        block_ids: list[int],
+        blocks: range,
+        meta: MaruConnectorMetadata,
+    ) -> None:
+        """Save `block_ids` of `group` as object `key`, which holds the request's `blocks`
+        (what its KV event names)."""
+        request = state.request
+        meta.saves.append(ChunkTransfer(key, block_ids, req_id=request.request_id, group=group))
+        state.saving = True
+        if self.events is not None and group == 0:
+            self.events.planned(key, request_blocks(request, blocks, self.block_size))
 
     def _saved_blocks(
         self, state: RequestState, group: KVGroup, chunk: int, computed: int

@@ -208,10 +208,8 @@ class MaruWorker:
     def handshake(self) -> MaruHandshake:
         return MaruHandshake(self.fingerprint)
 
-    def object_bytes(self, group: int, blocks: int | None = None) -> int:
-        """Bytes of an object of `group` with `blocks` blocks (by default: a whole one)."""
-        if blocks is None:
-            blocks = self.groups[group].stored_blocks(self.chunk_tokens)
+    def object_bytes(self, group: int, blocks: int) -> int:
+        """Bytes of an object of `group` with `blocks` blocks."""
         return HEADER_BYTES + self.paths[group].payload_bytes(blocks)
 
     def _host_direct(self, store: Backend) -> bool:
@@ -251,17 +249,16 @@ class MaruWorker:
         store = self.store.available()
         if store is None:
             return None
-        stored = self.groups[transfer.group].stored_blocks(self.chunk_tokens)
-        if transfer.first_block < 0 or transfer.first_block + len(transfer.block_ids) > stored:
-            return None
         key = rank_key(transfer.key, self.rank, transfer.group)
         try:
             view = store.view(key)
         except Exception as exc:
             self.store.failed(exc)
             return None
-        expected = self.object_bytes(transfer.group)
-        if view is None or len(view.data) != expected or not self._trusted(key, view.data):
+        if view is None or not self._trusted(key, view.data):
+            return None
+        stored = self._stored_blocks(transfer.group, len(view.data))
+        if stored is None or not 0 <= transfer.first_block <= stored - len(transfer.block_ids):
             return None
         payload, still_valid = host_tensor(view.data[HEADER_BYTES:]), view.valid
         if not self._host_direct(store):
@@ -271,6 +268,14 @@ class MaruWorker:
             still_valid = _always
         copy = ChunkCopy(Blocks(transfer.block_ids), payload, stored, transfer.first_block)
         return PendingLoad(transfer, copy, still_valid)
+
+    def _stored_blocks(self, group: int, object_bytes: int) -> int | None:
+        """How many blocks an object of `object_bytes` holds: a chunk's, or fewer for a
+        full-attention tail (`maru.vllm.tails`); None for any other size."""
+        whole = self.groups[group].stored_blocks(self.chunk_tokens)
+        blocks, rest = divmod(object_bytes - HEADER_BYTES, self.paths[group].payload_bytes(1))
+        tail = self.groups[group].kind == FULL and 0 < blocks < whole
+        return blocks if not rest and (blocks == whole or tail) else None
 
     def _trusted(self, key: bytes, data: memoryview) -> bool:
         """The object is this key's, in this layout, and whole."""
@@ -294,7 +299,7 @@ class MaruWorker:
         for pending in self.loading:
             if pending.still_valid():
                 self.stats.add(LOADS)
-                self.stats.add(LOADED_BYTES, self.object_bytes(pending.transfer.group))
+                self.stats.add(LOADED_BYTES, HEADER_BYTES + pending.copy.payload.numel())
                 self.stats.observe(LOAD_LATENCIES, time.perf_counter() - pending.started)
             else:
                 self._load_failed(pending.transfer)
