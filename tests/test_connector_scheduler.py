@@ -548,8 +548,8 @@ def test_every_pipeline_stages_layout_goes_into_the_namespace(harness) -> None:
     h.connector.set_xfer_handshake_metadata_pp_aware(
         {(0, 0): MaruHandshake("stage0"), (1, 0): MaruHandshake("stage1")}
     )
-    assert scheduler.identity()["layout"] == "stage0,stage1"
-    assert scheduler.record()["pp_size"] == 1 and scheduler.shares_per_chunk == 1
+    assert scheduler.namespace.identity()["layout"] == "stage0,stage1"
+    assert scheduler.namespace.record()["pp_size"] == 1 and scheduler.shares_per_chunk == 1
 
 
 def test_without_its_workers_layout_it_neither_looks_up_nor_saves(harness, caplog) -> None:
@@ -578,7 +578,7 @@ def test_the_layout_arrives_on_the_per_connector_worker_channel(harness) -> None
     h.connector.update_connector_output(
         KVConnectorOutput(kv_connector_worker_meta=MaruWorkerMeta(frozenset({"layout-1"})))
     )
-    assert h.connector.scheduler.identity()["layout"] == "layout-1"
+    assert h.connector.scheduler.namespace.identity()["layout"] == "layout-1"
     h.add("a", tokens(300))
     _, meta = h.step()
     assert len(meta.saves) == OBJECTS

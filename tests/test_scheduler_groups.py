@@ -166,7 +166,7 @@ def test_the_namespace_and_its_record_carry_the_group_structure(harness) -> None
     """A model with other groups never reads these chunks: another namespace."""
     one, two = harness(groups=("full",)), harness(groups=("full", "window"))
     assert one.connector.scheduler.key_prefix() != two.connector.scheduler.key_prefix()
-    assert two.connector.scheduler.record()["kv_groups"] == [
+    assert two.connector.scheduler.namespace.record()["kv_groups"] == [
         "full attention/32",
         "sliding window/32/sliding_window=64/extra_retained_tokens=0",
     ]

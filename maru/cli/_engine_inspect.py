@@ -48,7 +48,7 @@ def connector_description(llm: Any) -> dict[str, Any]:
             described["layout_adapter"] = ",".join(names) or None
             described["layout_fingerprint"] = worker.fingerprint
         if scheduler is not None:
-            described["identity"] = scheduler.identity()
+            described["identity"] = scheduler.namespace.identity()
     return described
 
 

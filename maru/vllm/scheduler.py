@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from maru.backends.base import Backend
 from maru.config import MaruConfig
 from maru.errors import MaruError
 from maru.log import get_logger
@@ -29,14 +28,9 @@ from maru.vllm.groups import (
     loads_async,
 )
 from maru.vllm.guard import StoreGuard
-from maru.vllm.identity import (
-    kv_identity,
-    model_identity,
-    namespace_record,
-    warn_if_hash_seed_is_per_process,
-)
+from maru.vllm.identity import warn_if_hash_seed_is_per_process
 from maru.vllm.metadata import NO_DATA_PATH, NULL_BLOCK, ChunkTransfer, MaruConnectorMetadata
-from maru.vllm.records import say_how_peers_differ, write_record
+from maru.vllm.namespace import Namespace
 from maru.vllm.roles import Role, handoff, named_chunks
 from maru.vllm.stats import (
     HIT_TOKENS,
@@ -51,10 +45,6 @@ from maru.vllm.tails import Tail, candidates, own_tail, serves_tails
 
 log = get_logger(__name__)
 
-RECORD_REFRESH_S = 60.0
-"""How often an active instance refreshes its namespace record's time of activity."""
-UNKNOWN_LAYOUT = "unknown"
-"""The layout before a worker has said its own: no namespace yet."""
 LOOKUP_REUSE_S = 1.0
 """How long a request's lookup answers vLLM asking again with the same local hit (a
 request it could not schedule yet): lookups have no side effects, and cost a round trip
@@ -112,19 +102,11 @@ class MaruScheduler:
         """Consumer requests waiting for the chunks their producer named, since when."""
         self.failed_loads: set[str] = set()
         """Requests whose load failed: recomputed, never loaded again."""
-        self._vllm_config = vllm_config
         self._config = config
-        self._layout = UNKNOWN_LAYOUT
-        self._waited_for_layout = False
-        self._prefix: bytes | None = None
         self._gauges: dict[Stat, int] = {}
-        self._record_at = -RECORD_REFRESH_S
         self._gauges_read_at = -GAUGES_REFRESH_S
         self.events = store_events(vllm_config, config, self.shares)
         self._reset_events: list[Any] = []
-        model = vllm_config.model_config
-        self.model_identity = model_identity(model.model, model.revision)
-        log.info("maru: model %s is %s in the key namespace", model.model, self.model_identity)
         warn_if_hash_seed_is_per_process(vllm_config)
         compat.say_what_this_release_lacks()
         try:
@@ -133,6 +115,7 @@ class MaruScheduler:
             self.groups = []
             self.store.disable(str(exc))
         check_chunk_tokens(self.groups, self.chunk_tokens)
+        self.namespace = Namespace(vllm_config, config, [g.signature for g in self.groups])
         self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         """Tokens per entry of `request.block_hashes`."""
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
@@ -199,62 +182,14 @@ class MaruScheduler:
     def set_layout(self, fingerprints: set[str]) -> None:
         """Take the workers' layout fingerprint into the namespace; stop looking up
         chunks no worker could load (a worker without a data path said why)."""
-        layout = ",".join(sorted(fingerprints))
-        if layout == self._layout:
-            return
-        if NO_DATA_PATH in fingerprints:
+        if NO_DATA_PATH in fingerprints and not self.store.disabled:
             self.store.disabled = True
             log.info("maru: a worker has no data path for its KV cache; no lookups either")
-        self._layout = layout
-        self._prefix = None
-
-    def _say_layout_unknown(self) -> None:
-        if not self._waited_for_layout:
-            self._waited_for_layout = True
-            log.warning(
-                "maru: no worker has said its KV layout yet (behind another connector on a "
-                "vLLM without a per-connector worker channel it never will); no lookups or "
-                "saves until one does"
-            )
-
-    def identity(self) -> dict[str, Any]:
-        """What the namespace's digest covers (`maru.vllm.identity.kv_identity`)."""
-        groups = [group.signature for group in self.groups]
-        return kv_identity(
-            self._vllm_config, self._config, self._layout, self.model_identity, groups
-        )
+        self.namespace.set_layout(",".join(sorted(fingerprints)))
 
     def key_prefix(self) -> bytes:
-        """This instance's namespace: the key prefix of every chunk it loads and saves."""
-        if self._prefix is None:
-            digest = keys.identity_digest(self.identity())
-            self._prefix = keys.namespace_prefix(self._config.namespace, digest)
-            self._record_at = -RECORD_REFRESH_S
-        return self._prefix
-
-    def record(self) -> dict[str, Any]:
-        """This instance's namespace record (`maru.vllm.records`)."""
-        return namespace_record(self._vllm_config, self._config, self.identity())
-
-    def keep_record(self, store: Backend) -> None:
-        """Write the namespace record once the layout is known, then refresh its time of
-        activity at most every RECORD_REFRESH_S; the first time, say how namespaces of the
-        same model in the store differ from this one."""
-        if self._layout == UNKNOWN_LAYOUT or time.monotonic() - self._record_at < RECORD_REFRESH_S:
-            return
-        first = self._record_at < 0
-        self._record_at = time.monotonic()
-        prefix, record = self.key_prefix(), self.record()
-        try:
-            if first:
-                this = keys.parse_key(keys.record_key(prefix)).namespace
-                say_how_peers_differ(store, this, record)
-        except MaruError as exc:  # e.g. a backend that cannot list its keys
-            log.debug("maru: namespaces in the store not compared: %s", exc)
-        try:
-            write_record(store, prefix, record)
-        except MaruError as exc:
-            log.debug("maru: namespace record not kept: %s", exc)
+        """This instance's namespace: the key prefix of every object it loads and saves."""
+        return self.namespace.prefix()
 
     def chunk_keys(self, request: Any) -> list[bytes]:
         """One key per whole prompt chunk: the hash of its last block (hashes are chained)."""
@@ -271,8 +206,7 @@ class MaruScheduler:
         """
         if self.store.disabled:  # nothing to load, and no worker could save
             return 0
-        if self._layout == UNKNOWN_LAYOUT:  # its namespace is not known yet
-            self._say_layout_unknown()
+        if not self.namespace.known:
             return 0
         state = self.requests.get(request.request_id)
         if state is None or not self._answers(state, num_computed_tokens):
@@ -385,7 +319,7 @@ class MaruScheduler:
             self.store.failed(exc)
             return None
         self.stats.add(LOOKUPS, int(counted))
-        self.keep_record(store)
+        self.namespace.keep_record(store)
         return [[next(held) for _ in chunk_keys] for _ in self.groups]
 
     def shares(self, key: bytes, group: int = 0) -> list[bytes]:
