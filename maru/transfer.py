@@ -7,9 +7,10 @@ benchmarks drive it directly, on any device.
 A chunk's object payload holds, layer after layer and segment after segment,
 one row of `run_bytes` per block (see `maru.layouts`). Per chunk and layer:
 
-- on the CPU, consecutive blocks (the usual case) move as one slice copy each
-  way, straight between the cache and store memory; scattered blocks are
-  gathered with one indexed copy, or scattered with one slice copy per run;
+- on the CPU, each run of consecutive blocks (usually all of a chunk's) moves as
+  one slice copy each way, straight between the cache and store memory, in the
+  calling thread (numpy's copy: torch's splits a large copy across its intra-op
+  threads, and stalls whenever another thread or process holds a core);
 - on a device with streams (CUDA), the blocks are gathered or scattered on the
   device with index tensors that live there, and the layer crosses to or from
   host memory in one transfer on a side stream. Host memory must be pinned:
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from maru.errors import MaruError
@@ -139,6 +141,11 @@ def host_tensor(buffer: memoryview) -> torch.Tensor:
             if len(buffer)
             else torch.empty(0, dtype=torch.int8)
         )
+
+
+def copy_rows(target: torch.Tensor, source: torch.Tensor) -> None:
+    """`target[:] = source` for CPU tensors, in the calling thread alone."""
+    np.copyto(target.numpy(), source.numpy())
 
 
 def pin(memory: memoryview) -> bool:
@@ -288,7 +295,8 @@ class DataPath:
                 target.index_copy_(0, chunk.blocks.on(self.device), source)
                 continue
             for block, at, length in chunk.blocks.runs:
-                segment.view[block : block + length].copy_(stored[first + at : first + at + length])
+                part = stored[first + at : first + at + length]
+                copy_rows(segment.view[block : block + length], part)
 
     # saves
 
@@ -315,11 +323,11 @@ class DataPath:
             rows.copy_(gathered, non_blocking=True)
 
     def _gather(self, pages: torch.Tensor, blocks: Blocks, out: torch.Tensor) -> None:
-        """Rows `blocks` of `pages` into `out`: one slice copy for consecutive blocks on
-        the CPU, else one indexed copy."""
-        if not self.on_device and len(blocks.runs) == 1:
-            start = blocks.ids[0]
-            out.copy_(pages[start : start + len(blocks.ids)])
+        """Rows `blocks` of `pages` into `out`: one slice copy per run of consecutive
+        blocks on the CPU, one indexed copy on a device."""
+        if not self.on_device:
+            for block, at, length in blocks.runs:
+                copy_rows(out[at : at + length], pages[block : block + length])
             return
         source, target = widest(pages, out)
         torch.index_select(source, 0, blocks.on(self.device), out=target)

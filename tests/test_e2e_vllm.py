@@ -83,12 +83,15 @@ def test_a_second_engine_loads_the_shared_prefix_from_shm(tiny_model, baseline, 
 
 
 def test_prometheus_metrics_match_the_connectors_counters(tiny_model, shm_pool):
-    """What vLLM's registry (its /metrics) holds of maru after a known workload."""
+    """What vLLM's registry (its /metrics) holds of maru after a known workload: A's
+    prompts again, which save nothing (so the store's gauges are final)."""
     config = maru_config("shm", shm={"name": shm_pool})
     run_engine(tiny_model, PROMPTS_A, kv_transfer_config=config)
-    engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config)
+    engine_b = run_engine(tiny_model, PROMPTS_A, kv_transfer_config=config)
     totals, metrics = engine_b.extra["connector_totals"], engine_b.extra["connector_metrics"]
-    assert totals["loads"] == SHARED // CHUNK
+    assert (totals["loads"], totals["saves"]) == (SHARED // CHUNK + 3, 0), (
+        "the shared chunks once, then every prompt's tail (vLLM's own cache has the chunks)"
+    )
     for stat, metric in (
         ("lookups", "lookups"),
         ("hit_tokens", "hit_tokens"),
@@ -106,7 +109,9 @@ def test_prometheus_metrics_match_the_connectors_counters(tiny_model, shm_pool):
         figures = pool.stats()
     assert metrics["vllm:maru_store_capacity_bytes"] == figures.capacity
     assert metrics["vllm:maru_store_objects"] == figures.objects
-    assert metrics["vllm:prompt_tokens_cached_by_source{host}"] == SHARED, "shm is host memory"
+    assert metrics["vllm:prompt_tokens_cached_by_source{host}"] == SHARED + 3 * BLOCK, (
+        "shm is host memory"
+    )
 
 
 HASH_SEED = {"PYTHONHASHSEED": "0"}
@@ -208,7 +213,9 @@ def test_tiered_shm_in_front_of_redis(tiny_model, baseline, redis_server, shm_po
     )
     try:
         other_node = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=node_2)
-        assert other_node.external_cached_tokens == [SHARED, 0, 0], "served from redis"
+        assert other_node.external_cached_tokens == [OWN_HIT, BLOCK, BLOCK], (
+            "served from redis, B's tails too (the first node stored them)"
+        )
         assert other_node.token_ids == baseline["B"]
         with maru.open_store(
             maru.load_config(backend="shm", capacity="256MiB", shm={"name": other_pool})
@@ -219,11 +226,12 @@ def test_tiered_shm_in_front_of_redis(tiny_model, baseline, redis_server, shm_po
 
 
 def test_chunks_an_engine_holds_are_saved_again_once_the_store_lost_them(tiny_model, shm_pool):
-    """A pool of about 6.5 chunks: another prompt's 6 chunks evict the 4 of PROMPTS_A[0]."""
+    """A pool of about 6.5 chunks: another prompt's 6 chunks evict the prompt's 4 (both
+    end within a block of a chunk's end: no tails)."""
     chunk_object = 64 + 2 * 2 * (2 * 32 * 128 * 2)  # header, 2 blocks x 2 layers x page
     config = maru_config("shm", shm={"name": shm_pool}, capacity=chunk_object * 13 // 2)
     other = np.random.default_rng(3).integers(1, 500, 6 * CHUNK + 10).tolist()
-    prompt = PROMPTS_A[0]
+    prompt = PROMPTS_A[0][: SHARED + 10]
     engine_a = run_engine(tiny_model, [prompt, other, prompt], kv_transfer_config=config)
     assert engine_a.external_cached_tokens == [0, 0, 0], "the repeat hits vLLM's own cache"
     assert engine_a.extra["connector_totals"]["saves"] == 4 + 6 + 4, "the repeat saved again"
@@ -240,7 +248,7 @@ def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_
     chunk_object = 64 + 2 * 2 * (2 * 32 * 128 * 2)  # as in the test above: evictions
     config = maru_config("shm", shm={"name": shm_pool}, capacity=chunk_object * 13 // 2)
     other = np.random.default_rng(3).integers(1, 500, 6 * CHUNK + 10).tolist()
-    prompt, short = PROMPTS_A[0], [7] * 20
+    prompt, short = PROMPTS_A[0][: SHARED + 10], [7] * 20
     endpoint = f"ipc://{tmp_path}/kv-events"
     socket, monitor = subscribe_to_kv_events(endpoint)
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
@@ -329,8 +337,11 @@ def test_tensor_parallel_ranks_store_and_load_only_their_own_share(tiny_model, s
     with maru.open_store(store) as pool:
         assert pool.stats().hits == 2 * chunks, "each rank loaded its own share of each chunk"
         objects = [key for key in pool.keys(b"maru/") if not parse_key(key).is_record]
-        assert sorted(key[-2:] for key in objects) == [b"@0"] * chunks + [b"@1"] * chunks
-        assert {len(pool.get(key)) for key in objects} == {64 + share}, "a rank's half + header"
+        per_rank = chunks + len(PROMPTS_A + PROMPTS_B)  # and every prompt's 1-block tail
+        assert sorted(key[-2:] for key in objects) == [b"@0"] * per_rank + [b"@1"] * per_rank
+        assert {len(pool.get(key)) for key in objects} == {64 + share, 64 + share // 2}, (
+            "a rank's half of a chunk or of a tail, and a header"
+        )
 
 
 def test_an_instance_says_why_it_does_not_share_with_its_models_other_namespaces(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -161,7 +162,6 @@ def sparse_pool(name: str, capacity: str, monkeypatch) -> Path:
     with monkeypatch.context() as patch:
         patch.setattr(memory, "reserve", lambda *args: None)
         patch.setattr(memory, "_populate_new", lambda *args: None)
-        patch.setattr(memory.Populator, "start", lambda self: None)
         with maru.open_store(shm_config(name, capacity)):
             pass
     path = shm.shm_path(name)
@@ -200,24 +200,33 @@ def test_a_new_pool_is_populated_before_open_returns(shm_dir) -> None:
         assert (populator.state, populator.done) == ("yes", len(store.pool.region))
 
 
-def test_attaching_an_existing_pool_populates_in_the_background(shm_dir) -> None:
-    maru.open_store(shm_config("p", "32MiB")).close()
-    with maru.open_store(shm_config("p", "32MiB")) as store:
+def mapped_at(address: int) -> int:
+    """Bytes of the mapping at `address` that this process has mapped (its Rss)."""
+    counting, total = False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            counting = line.startswith(f"{address:x}-")
+        elif counting and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_attaching_an_existing_pool_maps_only_the_objects_it_uses(shm_dir) -> None:
+    """Attaching walks none of the pool (it used to map all of it, in a thread that
+    competed with serving); an object's pages are mapped when it is first used."""
+    with maru.open_store(shm_config("p", "48MiB")) as writer:
+        writer.put(b"object", bytes(range(256)) * (12 * 4096))  # 12 MiB
+    with maru.open_store(shm_config("p", "48MiB")) as store:
         populator = memory_of(store.pool).populator
-        assert populator.state in ("in progress", "yes"), "started, not waited for"
-        assert populator.wait() == "yes"
-        assert populator.done == populator.total == len(store.pool.region)
-        assert memory_of(store.pool).report()["populated"] == "yes"
-
-
-def test_closing_stops_a_populate_in_progress(pool_names, monkeypatch) -> None:
-    monkeypatch.setattr(memory, "_populate_new", lambda *args: None)
-    store = maru.open_store(shm_config(pool_names(), "1GiB"))
-    populator = memory_of(store.pool).populator
-    store.destroy()
-    store.close()
-    assert populator.wait() in ("no", "yes")
-    assert populator.done <= populator.total
+        before = mapped_at(populator.address)
+        assert populator.state == "no" and before < 4 * MIB, "only the tables it read"
+        view = store.view(b"object")
+        assert view is not None and bytes(view.data[:256]) == bytes(range(256))
+        mapped = mapped_at(populator.address) - before
+        assert 12 * MIB <= mapped <= 16 * MIB, "the object's granules, at once"
+        assert populator.mapped_bytes <= 16 * MIB
+        assert store.populate()["populated"] == "yes", "maru pool populate maps the rest"
+        assert mapped_at(populator.address) >= 48 * MIB
 
 
 def test_a_forked_child_starts_unpopulated(pool_names) -> None:

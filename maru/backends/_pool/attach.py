@@ -2,8 +2,8 @@
 
 A process maps each pool once (keyed by the file's device and inode); every
 store that opens it is one more user, and the last one to close unmaps it. A new
-region's memory is reserved and populated before it is used, and every other
-mapping is populated in the background (see `memory`).
+region's memory is reserved and populated before it is used; every other mapping
+maps each object's pages when it is first used (see `memory`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class RegionSpec:
 
     `device_size` is set for a device that cannot be resized (devdax): the pool
     must fit in it. `before_init` runs on a new mapping before any page is
-    written or reserved (NUMA binding). `populate` maps every page into this
-    process in the background, and `prefault` waits for that before returning.
+    written or reserved (NUMA binding). `prefault` maps every page into this
+    process before returning (else each object's pages are mapped on first use).
     """
 
     path: str
@@ -51,7 +51,6 @@ class RegionSpec:
     mode: int = 0o600
     create: bool = True
     prefault: bool = False
-    populate: bool = True
     device_size: int | None = None
     before_init: Callable[[mmap.mmap], None] | None = None
 
@@ -81,11 +80,9 @@ def attach(spec: RegionSpec) -> Pool:
     finally:
         if fd >= 0:
             os.close(fd)
-    populator = _memory[pool].populator
-    if spec.populate or spec.prefault:
-        populator.start()
     if spec.prefault:
-        populator.wait()
+        populator = _memory[pool].populator
+        populator.run()
         populator.check()
     return pool
 
@@ -104,8 +101,7 @@ def detach(pool: Pool) -> None:
         for identity, candidate in list(_open_pools.items()):
             if candidate is pool:
                 del _open_pools[identity]
-        memory = _memory.pop(pool)
-    memory.populator.stop()
+        del _memory[pool]
     pool.close()
 
 
@@ -145,7 +141,7 @@ def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> tuple[Pool, Memory]:
         if spec.before_init:
             spec.before_init(region)
         memory = _prepare(fd, region, spec, new=size == 0, fresh=fresh)
-        pool = Pool(fd, region, geometry, spec.label)
+        pool = Pool(fd, region, geometry, spec.label, memory.populator.ensure)
         if fresh:
             if device:
                 region[: geometry.data_offset] = bytes(geometry.data_offset)

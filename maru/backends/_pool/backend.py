@@ -24,7 +24,8 @@ class PoolOptions(Options):
         "object is a miss); makes a load 16-71% slower",
     )
     prefault: bool = Field(
-        False, description="wait at open until every page is mapped (else in the background)"
+        False,
+        description="map every page at open (else each object's pages on first use)",
     )
 
 
@@ -42,7 +43,7 @@ class PoolBackend(Backend):
         self.checksum = self.options.checksum
         """Write a checksum with every object and verify every load against it."""
         spec = self.region_spec()
-        self.pool = attach(spec if create else replace(spec, create=False, populate=False))
+        self.pool = attach(spec if create else replace(spec, create=False))
 
     @abstractmethod
     def region_spec(self) -> RegionSpec:
@@ -65,9 +66,9 @@ class PoolBackend(Backend):
         return self.pool.info()
 
     def populate(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-        """Wait for the background populate of this mapping; huge pages and population."""
+        """Map every page of this mapping now; huge pages and population."""
         memory = memory_of(self.pool)
-        memory.populator.wait(progress)
+        memory.populator.run(progress)
         return memory.report()
 
     def _put(self, key: bytes, data: memoryview) -> bool:

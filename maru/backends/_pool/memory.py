@@ -10,10 +10,11 @@ that says how to get more memory. DAX devices are memory: nothing to reserve.
 
 A page is mapped into a process on its first touch, one fault per 4 KiB page,
 which makes a fresh mapping's first pass a fraction of memory speed. A
-`Populator` maps the region ahead of use with `MADV_POPULATE_WRITE` (Linux 5.14),
-in chunks: at creation, before the pool's first use (a fresh pool's first pass
-then runs at memory speed), and in a daemon thread that runs without the GIL when
-a process attaches to an existing pool, so attaching stays fast.
+`Populator` maps pages ahead of use with `MADV_POPULATE_WRITE` (Linux 5.14): a new
+region whole, at creation, before the pool's first use (its first pass then runs at
+memory speed); in a process that attaches to an existing pool, each object's range
+when it is first read or written (so attaching walks nothing, and a process maps only
+what it uses: eight engines on a 512 GiB pool do not each map all of it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import mmap
 import os
 import re
 import stat
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +41,9 @@ log = get_logger(__name__)
 MADV_POPULATE_WRITE = 23
 """madvise(2) advice (Linux 5.14): fault pages in writable without touching them."""
 POPULATE_CHUNK = 64 * 2**20
-"""Bytes populated per madvise call: progress granularity and how long `stop` waits."""
+"""Bytes populated per madvise call when populating a whole region: progress granularity."""
+GRANULE = 2 * 2**20
+"""Bytes mapped at once on first use (a huge page's worth: one madvise maps many pages)."""
 SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 MOUNTINFO = Path("/proc/self/mountinfo")
 SMAPS = Path("/proc/self/smaps")
@@ -195,11 +197,12 @@ def address_of(region: mmap.mmap) -> int:
 class Populator:
     """Maps a region's pages into this process ahead of use.
 
-    `start` populates in a daemon thread (madvise runs without the GIL, one chunk
-    at a time), `run` in the caller's thread; `stop` must be called before the
-    region is unmapped. `state`: no, in progress, yes, unsupported or failed. A
-    forked child starts over at "no": fork copies no page tables of a shared file
-    mapping, and no thread.
+    `run` maps the whole region (a new pool before its first use, `prefault`, `maru
+    pool create`); `ensure` maps one range on its first use, in big granules, so a
+    process that attaches to an existing pool maps only what it reads or writes, in one
+    madvise per granule rather than a fault per 4 KiB page, and never walks the rest.
+    `state`: no, in progress, yes, unsupported or failed. A forked child starts over at
+    "no": fork copies no page tables of a shared file mapping.
     """
 
     def __init__(self, region: mmap.mmap, label: str) -> None:
@@ -209,73 +212,70 @@ class Populator:
         self.state = "no"
         self.error = ""
         self._label = label
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._granules = bytearray(-(-self.total // GRANULE))
+        """Per GRANULE of the region: mapped into this process by `ensure`."""
         reset_after_fork(self)
 
-    def after_fork(self) -> None:
-        """In a forked child: nothing populated, no thread, fresh thread locks."""
-        stopped = self._stopping.is_set()
-        self.done, self.state, self.error = 0, "no", ""
-        self._lock, self._stopping, self._thread = threading.Lock(), threading.Event(), None
-        if stopped:
-            self._stopping.set()
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes this process has mapped ahead of use: all, or the granules used so far."""
+        if self.state == "yes":
+            return self.total
+        return min(self.total, sum(self._granules) * GRANULE)
 
-    def start(self) -> None:
-        """Populate in the background, unless that has begun or is done."""
-        with self._lock:
-            if self.state != "no" or self._stopping.is_set():
-                return
-            self.state = "in progress"
-            self._thread = threading.Thread(
-                target=self.run, name=f"maru-populate {self._label}", daemon=True
-            )
-            self._thread.start()
+    def after_fork(self) -> None:
+        """In a forked child: nothing populated."""
+        self.done, self.state, self.error = 0, "no", ""
+        self._granules = bytearray(len(self._granules))
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Populate now, calling `progress(done, total)` after each chunk."""
-        self.state = "in progress"
-        while self.done < self.total and not self._stopping.is_set():
+        """Populate the whole region now, calling `progress(done, total)` after each chunk."""
+        if self.state == "yes":
+            return
+        self.state, self.done = "in progress", 0
+        while self.done < self.total:
             length = min(POPULATE_CHUNK, self.total - self.done)
-            code = _populate(self.address + self.done, length)
-            if code:
-                unsupported = code == errno.EINVAL
-                self.error = (
-                    "MADV_POPULATE_WRITE needs Linux 5.14 or newer"
-                    if unsupported
-                    else os.strerror(code)
-                )
-                self.state = "unsupported" if unsupported else "failed"
+            if not self._populate(self.done, length):
                 return
             self.done += length
             if progress:
                 progress(self.done, self.total)
-        self.state = "yes" if self.done == self.total else "no"
+        self.state = "yes"
 
-    def wait(
-        self, progress: Callable[[int, int], None] | None = None, interval: float = 0.5
-    ) -> str:
-        """Wait for a background populate to end, reporting progress; the final state."""
-        thread = self._thread
-        while thread is not None and thread.is_alive():
-            thread.join(interval)
-            if progress and thread.is_alive():
-                progress(self.done, self.total)
-        return self.state
+    def ensure(self, offset: int, length: int) -> None:
+        """Map the granules of the region's bytes [offset, offset + length) that this
+        process has not mapped yet (where populating works at all)."""
+        if self.state in ("yes", "unsupported", "failed") or length <= 0:
+            return
+        first, end = offset // GRANULE, -(-(offset + length) // GRANULE)
+        granule = first
+        while granule < end:
+            if self._granules[granule]:
+                granule += 1
+                continue
+            run = granule
+            while run < end and not self._granules[run]:
+                run += 1
+            start = granule * GRANULE
+            if not self._populate(start, min(run * GRANULE, self.total) - start):
+                return
+            self._granules[granule:run] = b"\1" * (run - granule)
+            granule = run
+
+    def _populate(self, offset: int, length: int) -> bool:
+        """madvise one range; False (and the state says why) if the kernel refused."""
+        code = _populate(self.address + offset, length)
+        if code:
+            unsupported = code == errno.EINVAL
+            needs = "MADV_POPULATE_WRITE needs Linux 5.14 or newer"
+            self.error = needs if unsupported else os.strerror(code)
+            self.state = "unsupported" if unsupported else "failed"
+        return not code
 
     def check(self) -> None:
         """Raise BackendError if populating did not succeed (for `prefault: true`)."""
         if self.state in ("failed", "unsupported"):
             raise BackendError(f"cannot prefault {self._label}: {self.error}")
-
-    def stop(self) -> None:
-        """Stop a background populate and wait for its current chunk (before unmapping)."""
-        self._stopping.set()
-        with self._lock:
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
 
 
 def _populate(address: int, length: int) -> int:
@@ -306,7 +306,7 @@ class Memory:
             "huge_page_bytes": mapped,
             "huge_page_policy": self.huge.reason,
             "populated": self.populator.state,
-            "populated_bytes": self.populator.done,
+            "populated_bytes": self.populator.mapped_bytes,
         }
 
 
@@ -315,7 +315,7 @@ def prepare(
 ) -> Memory:
     """Reserve a new region's backing (or complete an existing one's), with huge pages
     where they are offered, and populate a `fresh` one (a pool about to be initialized);
-    the Memory whose populator the caller starts for the others.
+    the others' pages are mapped as they are used (`Populator.ensure`).
 
     On a tmpfs mounted with huge=advise, allocating the file would take small pages,
     so the region is populated first, through a mapping that asked for huge pages.
@@ -339,8 +339,8 @@ def prepare(
 def _populate_new(populator: Populator, label: str) -> None:
     """Map a new region's pages before its first use: the first pass over a fresh pool
     then runs at memory speed instead of a page fault per 4 KiB (it costs the creating
-    process about half a second per GiB, once; processes that attach populate in the
-    background)."""
+    process about half a second per GiB, once; processes that attach map each object's
+    pages on its first use)."""
     if populator.state != "no":
         return
     started = time.monotonic()
