@@ -6,11 +6,6 @@ counters read from the server's /metrics."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -19,10 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from maru.cli._serve import counter
+from maru.cli._serve import serve as vllm_serve
+
 pytestmark = pytest.mark.slow
 
 TOKENS, REQUESTS = 300, 6
-STARTUP_S = 300
 
 
 def prompts() -> list[list[int]]:
@@ -31,23 +28,11 @@ def prompts() -> list[list[int]]:
     return [rng.integers(3, 500, TOKENS).tolist() for _ in range(REQUESTS)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def serve(model: Path, log: Path, transfer: dict | None):
-    """`vllm serve MODEL` in float32 (a hit's tokens then equal a recompute's), on a free
-    loopback port; its base URL once /health answers."""
-    port = free_port()
-    command = [
-        str(Path(sys.executable).parent / "vllm"),
-        "serve",
-        str(model),
-        "--port", str(port),
-        "--host", "127.0.0.1",
+    """`vllm serve MODEL` in float32 (a hit's tokens then equal a recompute's), token ids
+    in and out."""
+    options = [
         "--dtype", "float32",
         "--enforce-eager",
         "--skip-tokenizer-init",
@@ -55,31 +40,8 @@ def serve(model: Path, log: Path, transfer: dict | None):
         "--block-size", "32",
         "--kv-cache-memory-bytes", str(256 * 2**20),
     ]  # fmt: skip
-    if transfer is not None:
-        command += ["--kv-transfer-config", json.dumps(transfer)]
-    with log.open("w") as output:
-        server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=os.environ)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while not healthy(url):
-            assert server.poll() is None, f"vllm serve exited: {log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, (
-                f"not up in {STARTUP_S} s: {log.read_text()[-4000:]}"
-            )
-            time.sleep(1)
+    with vllm_serve(model, log, transfer, options) as url:
         yield url
-    finally:
-        server.terminate()
-        server.wait(60)
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def completion(url: str, model: Path, prompt: list[int], **fields) -> dict:
@@ -131,17 +93,6 @@ def plain(tiny_model, tmp_path_factory) -> list[list[int]]:
     """Every prompt's tokens from a server without a connector."""
     with serve(tiny_model, tmp_path_factory.mktemp("plain") / "plain.log", None) as url:
         return all_at_once(lambda prompt: tokens_of(completion(url, tiny_model, prompt)))
-
-
-def counter(url: str, name: str) -> float:
-    """A counter of the server's /metrics, summed over its label sets."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(f"{name}{{") or line.startswith(f"{name} ")
-    )
 
 
 WHOLE_BLOCKS = REQUESTS * (TOKENS // 32 * 32)

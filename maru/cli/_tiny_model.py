@@ -94,3 +94,31 @@ def _tiny_model_matches(path: Path, spec: dict[str, int]) -> bool:
         return False
     has_weights = any(path.glob("*.safetensors"))
     return recorded == spec and (path / "config.json").is_file() and has_weights
+
+
+def add_word_tokenizer(path: str | os.PathLike[str], vocab: int) -> Path:
+    """Give the model at `path` a tokenizer of `vocab` words split on spaces (<pad>, <s>,
+    </s>, then "w3", "w4", ...): text made of its tokens encodes back to the same ids,
+    so clients that send text (`vllm bench serve`) send exactly the prompts they made.
+    Idempotent."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return path
+    special = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    words = special | {f"w{i}": i for i in range(len(special), vocab)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": "<pad>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<pad>",
+        "model_max_length": 1 << 20,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
