@@ -7,9 +7,11 @@ prefix-repetition dataset (distinct prefixes plus a suffix each, so prompts end
 mid-chunk), a fixed seed, concurrency 4, on a tiny float32 model with a word-level
 tokenizer (text round-trips to the same token ids). Reported: median time to first
 token of each pass, maru hit over own hit (the same server software, the same
-prompts), B's maru counters from /metrics, and whether B's outputs equal A's cold
-ones request by request. With `--busy`, another process keeps one core busy
-meanwhile. `python benchmarks/online_serve.py --help`.
+prompts), B's maru counters from /metrics in that pass, and whether B's outputs
+equal A's cold ones request by request. Each server first serves a pass of prompts of
+its own (its first forwards; they share nothing with the measured prompts). With
+`--busy`, another process keeps one core busy meanwhile.
+`python benchmarks/online_serve.py --help`.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def competing_load(busy: bool):
         spinner.wait()
 
 
-def bench(url: str, model: Path, args: argparse.Namespace, out: Path) -> dict:
-    """One `vllm bench serve` pass; its detailed result."""
+def bench(url: str, model: Path, args: argparse.Namespace, out: Path, seed: int = 0) -> dict:
+    """One `vllm bench serve` pass (its prompts drawn with `seed`); its detailed result."""
     command = [
         str(Path(sys.executable).parent / "vllm"), "bench", "serve",
         "--backend", "vllm", "--base-url", url, "--model", str(model),
@@ -62,7 +64,7 @@ def bench(url: str, model: Path, args: argparse.Namespace, out: Path) -> dict:
         "--prefix-repetition-num-prefixes", str(args.prompts),
         "--prefix-repetition-output-len", "8",
         "--num-prompts", str(args.prompts), "--max-concurrency", str(args.concurrency),
-        "--seed", "0", "--ignore-eos", "--temperature", "0", "--num-warmups", "0",
+        "--seed", str(seed), "--ignore-eos", "--temperature", "0", "--num-warmups", "0",
         "--disable-tqdm", "--save-result", "--save-detailed",
         "--result-dir", str(out.parent), "--result-filename", out.name,
     ]  # fmt: skip
@@ -99,13 +101,18 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as results, competing_load(args.busy):
             out = Path(results)
             with serve(model, logs / "bench-online-a.log", transfer, options) as url:
+                print("server A: warm-up (prompts of its own) ...", file=sys.stderr, flush=True)
+                bench(url, model, args, out / "warm-up-a.json", seed=1)
                 for name in ("cold", "own_hit"):
                     print(f"server A: {name} ...", file=sys.stderr, flush=True)
                     passes[name] = bench(url, model, args, out / f"{name}.json")
             with serve(model, logs / "bench-online-b.log", transfer, options) as url:
+                print("server B: warm-up (prompts of its own) ...", file=sys.stderr, flush=True)
+                bench(url, model, args, out / "warm-up-b.json", seed=2)
+                counters = {name: -counter(url, name) for name in COUNTERS}
                 print("server B: maru_hit ...", file=sys.stderr, flush=True)
                 passes["maru_hit"] = bench(url, model, args, out / "maru_hit.json")
-                counters = {name: counter(url, name) for name in COUNTERS}
+                counters = {name: counters[name] + counter(url, name) for name in COUNTERS}
     finally:
         config = maru.load_config(backend="shm", capacity="1GiB", shm={"name": pool})
         with maru.open_store(config) as store:
@@ -113,6 +120,7 @@ def main() -> int:
     ttft = {name: result["median_ttft_ms"] for name, result in passes.items()}
     report = {
         "median_ttft_ms": ttft,
+        "ttfts_ms": {name: [t * 1e3 for t in result["ttfts"]] for name, result in passes.items()},
         "maru_hit_over_own_hit": ttft["maru_hit"] / ttft["own_hit"],
         "maru_hit_over_cold": ttft["maru_hit"] / ttft["cold"],
         "server_b_metrics": counters,
