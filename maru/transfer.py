@@ -25,6 +25,7 @@ import ctypes
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -143,11 +144,6 @@ def host_tensor(buffer: memoryview) -> torch.Tensor:
         )
 
 
-def copy_rows(target: torch.Tensor, source: torch.Tensor) -> None:
-    """`target[:] = source` for CPU tensors, in the calling thread alone."""
-    np.copyto(target.numpy(), source.numpy())
-
-
 def pin(memory: memoryview) -> bool:
     """Page-lock `memory` with the CUDA driver, so transfers use it directly; False
     if the driver refuses (then transfers go through pinned staging buffers)."""
@@ -217,6 +213,11 @@ class ChunkCopy:
     first: int = 0
     """Row of the object that goes into blocks.ids[0] (a load may skip blocks)."""
 
+    @cached_property
+    def host(self) -> np.ndarray:
+        """The payload as a numpy array (the CPU's copies: see `DataPath._copy_on_cpu`)."""
+        return self.payload.numpy()
+
 
 class DataPath:
     """Moves chunks' pages between the caches an adapter recognised and host memory."""
@@ -230,6 +231,12 @@ class DataPath:
         self._layer_loaded: dict[str, Marker] = {}
         self._bytes_before = adapter.layer_offsets(1)
         """Per layer: bytes of the layers before it, per stored block."""
+        self._host_layers = (
+            {}
+            if self.on_device
+            else {name: [s.view.numpy() for s in segs] for name, segs in adapter.layers.items()}
+        )
+        """On the CPU: each layer's segments as numpy arrays over the cache."""
 
     def payload_bytes(self, blocks: int) -> int:
         """Bytes of pages in an object of `blocks` blocks."""
@@ -281,22 +288,32 @@ class DataPath:
         return self.queue.mark()
 
     def _load_layer(self, name: str, chunk: ChunkCopy) -> None:
-        rows = self._layer_rows(name, chunk)
-        count, first = len(chunk.blocks.ids), chunk.first
-        if self.on_device:
-            rows = rows.to(self.device, non_blocking=True)
-        position = 0
+        if not self.on_device:
+            self._copy_on_cpu(name, chunk, load=True)
+            return
+        rows = self._layer_rows(name, chunk).to(self.device, non_blocking=True)
+        count, first, position = len(chunk.blocks.ids), chunk.first, 0
         for segment in self.adapter.layers[name]:
             run = segment.run_bytes
             stored = rows[position : position + chunk.stored_blocks * run].view(-1, run)
             position += chunk.stored_blocks * run
-            if self.on_device:
-                target, source = widest(segment.view, stored[first : first + count])
-                target.index_copy_(0, chunk.blocks.on(self.device), source)
-                continue
+            target, source = widest(segment.view, stored[first : first + count])
+            target.index_copy_(0, chunk.blocks.on(self.device), source)
+
+    def _copy_on_cpu(self, name: str, chunk: ChunkCopy, load: bool) -> None:
+        """One layer of a chunk between the cache and its payload, each run of consecutive
+        blocks one slice copy per segment, in the calling thread: numpy, whose slices
+        cost a fraction of a microsecond (torch's cost several, and its copies split
+        across intra-op threads that stall when another thread or process holds a core)."""
+        position = chunk.stored_blocks * self._bytes_before[name]
+        for segment in self._host_layers[name]:
+            run = segment.shape[1]
+            stored = chunk.host[position : position + chunk.stored_blocks * run].reshape(-1, run)
+            position += chunk.stored_blocks * run
             for block, at, length in chunk.blocks.runs:
-                part = stored[first + at : first + at + length]
-                copy_rows(segment.view[block : block + length], part)
+                rows = stored[chunk.first + at : chunk.first + at + length]
+                cache = segment[block : block + length]
+                np.copyto(*((cache, rows) if load else (rows, cache)))
 
     # saves
 
@@ -312,22 +329,15 @@ class DataPath:
         return self.queue.mark()
 
     def _save_layer(self, name: str, chunk: ChunkCopy) -> None:
+        if not self.on_device:
+            self._copy_on_cpu(name, chunk, load=False)
+            return
         rows = self._layer_rows(name, chunk)
-        gathered = torch.empty_like(rows, device=self.device) if self.on_device else rows
+        gathered = torch.empty_like(rows, device=self.device)
         count, position = len(chunk.blocks.ids), 0
         for segment in self.adapter.layers[name]:
             out = gathered[position : position + count * segment.run_bytes].view(count, -1)
             position += out.numel()
-            self._gather(segment.view, chunk.blocks, out)
-        if self.on_device:
-            rows.copy_(gathered, non_blocking=True)
-
-    def _gather(self, pages: torch.Tensor, blocks: Blocks, out: torch.Tensor) -> None:
-        """Rows `blocks` of `pages` into `out`: one slice copy per run of consecutive
-        blocks on the CPU, one indexed copy on a device."""
-        if not self.on_device:
-            for block, at, length in blocks.runs:
-                copy_rows(out[at : at + length], pages[block : block + length])
-            return
-        source, target = widest(pages, out)
-        torch.index_select(source, 0, blocks.on(self.device), out=target)
+            source, target = widest(segment.view, out)
+            torch.index_select(source, 0, chunk.blocks.on(self.device), out=target)
+        rows.copy_(gathered, non_blocking=True)
