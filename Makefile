@@ -109,6 +109,10 @@ bench: $(STAMP) redis-server
 	  $(BIN)/maru bench --backend shm --backend cxl --backend redis --backend mock \
 	  --plot benchmarks/results/bench.png
 	$(BIN)/python benchmarks/e2e_vllm.py
+	$(BIN)/python benchmarks/hit_cost.py
+	$(BIN)/python benchmarks/hit_cost.py --busy --output benchmarks/results/hit_cost_busy.json
+	$(BIN)/python benchmarks/online_serve.py
+	$(BIN)/python benchmarks/pool_attach.py
 	$(BIN)/python benchmarks/hybrid_hits.py
 
 # The data path on a CUDA machine (no vLLM needed): round trips and throughput.

