@@ -34,7 +34,7 @@ def fill(name: str, capacity: int, count: int) -> None:
     data = np.random.default_rng(0).integers(0, 255, OBJECT, dtype=np.uint8)
     with maru.open_store(config(name, capacity)) as store:
         for i in range(count):
-            data[:8] = i
+            data[:8] = i % 256
             if not store.put(f"object-{i}".encode(), data):
                 raise maru.MaruError(f"object {i} did not fit")
 

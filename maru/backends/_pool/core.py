@@ -108,12 +108,12 @@ class Pool:
         region: mmap.mmap,
         geometry: Geometry,
         label: str,
-        map_range: Callable[[int, int], None] = lambda offset, length: None,
+        map_range: Callable[[int, int, bool], None] = lambda offset, length, writable: None,
     ) -> None:
         self.fd = fd
         self._map_range = map_range
         """Maps the region's bytes [offset, offset + length) into this process ahead of
-        their use (`memory.Populator.ensure`)."""
+        their use, for writing or not (`memory.Populator.ensure`)."""
         self.region = region
         self.geometry = geometry
         self.label = label
@@ -182,7 +182,7 @@ class Pool:
                 return None
             generation = int(t.gen[entry])
         start = int(t.offset[entry]) + len(key)
-        self._map_data(start, nbytes)
+        self._map_data(start, nbytes, writable=True)
         return (entry, generation), t.data_view[start : start + nbytes]
 
     def put_small(self, key: bytes, data: memoryview, checksum: bool = False) -> bool:
@@ -200,9 +200,9 @@ class Pool:
             self._publish(entry, check)
             return True
 
-    def _map_data(self, start: int, size: int) -> None:
+    def _map_data(self, start: int, size: int, writable: bool) -> None:
         """Map an object's bytes (at `start` of the data area) before they are copied."""
-        self._map_range(self.geometry.data_offset + start, size)
+        self._map_range(self.geometry.data_offset + start, size, writable)
 
     def _prepare(self, key: bytes, nbytes: int) -> tuple[int, int, int]:
         """(span, key hash, writer id) of a new object; refuses one larger than the pool."""
@@ -303,7 +303,7 @@ class Pool:
                 out[:] = t.data_view[start : start + size]
                 t.add(HITS, 1)
                 return out, entry, generation, check
-        self._map_data(start, size)
+        self._map_data(start, size, writable=False)
         out[:] = t.data_view[start : start + size]
         with self.locked():
             if t.gen[entry] != generation:
@@ -323,7 +323,7 @@ class Pool:
                 return None
             entry, start, size, generation, check = found
             t.add(HITS, 1)
-        self._map_data(start, size)
+        self._map_data(start, size, writable=False)
         data = t.data_view[start : start + size].toreadonly()
 
         def valid() -> bool:
