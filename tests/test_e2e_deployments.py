@@ -61,6 +61,7 @@ def test_the_connector_works_by_its_registered_name_alone(tiny_model, pool_names
     run_engine(tiny_model, [PROMPT], kv_transfer_config=config)
     reader = run_engine(tiny_model, [PROMPT], kv_transfer_config=config)
     assert reader.external_cached_tokens == [LOADED]
+    assert own_hit.num_cached_tokens[1] == LOADED, "as long as vLLM's own hit"
     assert reader.token_ids == own_hit.token_ids[1:]
 
 
