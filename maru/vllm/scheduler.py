@@ -418,10 +418,10 @@ class MaruScheduler:
                     self._add_save(state, state.keys[chunk], group.index, block_ids, blocks, meta)
         state.planned_chunks = max(state.planned_chunks, complete)
         tail = state.own_tail
-        if tail is not None and computed >= tail.block_range(per_chunk).stop * self.block_size:
+        positions = tail.block_range(per_chunk) if tail is not None else range(0)
+        if tail is not None and computed >= positions.stop * self.block_size:
             state.own_tail = None
             for group in self.groups:
-                positions = tail.block_range(per_chunk)
                 block_ids = state.block_ids[group.index][positions.start : positions.stop]
                 if len(block_ids) == tail.blocks and NULL_BLOCK not in block_ids:
                     self._add_save(state, tail.key, group.index, block_ids, positions, meta)

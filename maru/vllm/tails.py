@@ -31,12 +31,9 @@ class Tail:
     chunk: int
     blocks: int
 
-    def first_block(self, blocks_per_chunk: int) -> int:
-        """The position, in the request's block table, of the tail's first block."""
-        return self.chunk * blocks_per_chunk
-
     def block_range(self, blocks_per_chunk: int) -> range:
-        start = self.first_block(blocks_per_chunk)
+        """The tail's positions in the request's block table."""
+        start = self.chunk * blocks_per_chunk
         return range(start, start + self.blocks)
 
 
