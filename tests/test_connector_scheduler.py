@@ -592,7 +592,8 @@ def test_a_consumer_waits_for_the_chunks_its_producer_named(harness) -> None:
     producer = harness(pool=pool, kv_role="kv_producer")
     consumer = harness(pool=pool, kv_role="kv_consumer")
     prompt = tokens(300)
-    named = {"maru": {"namespace": producer.connector.scheduler.key_prefix().decode(), "chunks": 4}}
+    namespace = producer.connector.scheduler.key_prefix().decode()
+    named = {"maru": {"namespace": namespace, "chunks": 4, "tail": 1}}
     consumer.add("r", prompt, kv_transfer_params=named)
     for _ in range(2):
         _, meta = consumer.step()
@@ -600,9 +601,40 @@ def test_a_consumer_waits_for_the_chunks_its_producer_named(harness) -> None:
     producer.add("r", prompt)
     while "r" in producer.scheduler.requests:
         producer.step()
-    assert producer.transfer_params["r"] == named
+    assert producer.transfer_params["r"] == named, "4 chunks and a tail of 1 block"
     _, meta = consumer.step()
     assert len(meta.loads) == OBJECTS
+
+
+def test_a_consumer_waits_for_its_producers_tail_too(harness) -> None:
+    """The chunks may commit before the tail: a consumer that loaded them alone would
+    compute the tail's blocks again."""
+    pool = unique_name()
+    producer = harness(pool=pool, kv_role="kv_producer")
+    consumer = harness(pool=pool, kv_role="kv_consumer")
+    prompt = tokens(300)
+    producer.add("chunks only", prompt[: 4 * CHUNK])
+    while "chunks only" in producer.scheduler.requests:
+        producer.step()
+    namespace = producer.connector.scheduler.key_prefix().decode()
+    consumer.add(
+        "r", prompt, kv_transfer_params={"maru": {"namespace": namespace, "chunks": 4, "tail": 1}}
+    )
+    _, meta = consumer.step()
+    assert meta.loads == [] and consumer.scheduler.requests["r"].num_computed_tokens == 0
+    producer.add("r", prompt)
+    while "r" in producer.scheduler.requests:
+        producer.step()
+    _, meta = consumer.step()
+    assert len(meta.loads) == OBJECTS and consumer.stats["hit_tokens"] == 288, "every whole block"
+
+
+def test_a_producer_names_no_tail_where_its_prompt_has_none(harness) -> None:
+    producer = harness(kv_role="kv_producer")
+    producer.add("r", tokens(4 * CHUNK + 16))
+    while "r" in producer.scheduler.requests:
+        producer.step()
+    assert producer.transfer_params["r"]["maru"]["tail"] == 0
 
 
 def test_a_consumer_computes_what_is_not_there_by_its_deadline(harness) -> None:

@@ -39,13 +39,18 @@ def healthy(url: str) -> bool:
 
 @contextmanager
 def serve(
-    model: Path, log: Path, transfer: dict | None, options: Sequence[str] = ()
+    model: Path,
+    log: Path,
+    transfer: dict | None,
+    options: Sequence[str] = (),
+    vllm: Path = Path(sys.executable).parent / "vllm",
 ) -> Iterator[str]:
-    """`vllm serve MODEL OPTIONS` on a free loopback port, with `transfer` as its
-    --kv-transfer-config; its base URL once /health answers."""
+    """`vllm serve MODEL OPTIONS` (`vllm`: the command, this environment's unless
+    told) on a free loopback port, with `transfer` as its --kv-transfer-config; its
+    base URL once /health answers."""
     port = free_port()
     command = [
-        str(Path(sys.executable).parent / "vllm"),
+        str(vllm),
         "serve",
         str(model),
         "--port",

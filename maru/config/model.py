@@ -139,7 +139,7 @@ class MaruConfig(BaseModel):
     consumer_wait: float = Field(
         10.0,
         ge=0,
-        description="with kv_role kv_consumer, seconds a request waits for the chunks its "
+        description="with kv_role kv_consumer, seconds a request waits for the objects its "
         "producer named (kv_transfer_params) to be stored before computing them",
     )
     config_file: Path | None = Field(None, description="YAML, TOML or JSON file to read")

@@ -2,9 +2,9 @@
 
 A producer (prefill instance) saves and loads only with `producer_loads`; a consumer
 (decode instance) loads and never saves; `kv_both` does both. A producer's finished
-request names, in its `kv_transfer_params`, the namespace and how many whole chunks it
-stored; a consumer handed them waits for those chunks (its producer's saves may still be
-committing) rather than miss.
+request names, in its `kv_transfer_params`, the namespace, how many whole chunks it
+stored and how many blocks its tail holds (`maru.vllm.tails`); a consumer handed them
+waits for those objects (its producer's saves may still be committing) rather than miss.
 """
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ from typing import Any
 from maru.config import MaruConfig
 
 HANDOFF = "maru"
-"""The key of a producer's `kv_transfer_params`: {"namespace", "chunks"} it stored."""
+"""The key of a producer's `kv_transfer_params`: {"namespace", "chunks", "tail"}."""
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What a producer stored of a request: its first `chunks` chunks, then a tail of
+    `tail` blocks (0: none)."""
+
+    chunks: int
+    tail: int = 0
 
 
 @dataclass(frozen=True)
@@ -32,27 +41,29 @@ class Role:
         return cls(name, name != "kv_producer" or config.producer_loads, name != "kv_consumer")
 
     @property
-    def names_chunks(self) -> bool:
+    def names_objects(self) -> bool:
         """Does a finished request say what it stored (`handoff`)?"""
         return self.name == "kv_producer"
 
     @property
     def waits(self) -> bool:
-        """Does a request wait for the chunks its producer named (`named_chunks`)?"""
+        """Does a request wait for what its producer named (`named`)?"""
         return self.name == "kv_consumer"
 
 
-def handoff(namespace: str, chunks: int) -> dict[str, Any]:
-    """A producer's `kv_transfer_params`: its first `chunks` chunks are in `namespace`."""
-    return {HANDOFF: {"namespace": namespace, "chunks": chunks}}
+def handoff(namespace: str, stored: Handoff) -> dict[str, Any]:
+    """A producer's `kv_transfer_params`: what it stored of the request in `namespace`."""
+    return {HANDOFF: {"namespace": namespace, "chunks": stored.chunks, "tail": stored.tail}}
 
 
-def named_chunks(request: Any, namespace: str) -> int | None:
-    """The chunks a request's producer stored in `namespace` (its `kv_transfer_params`);
-    None if it names none there (other params, or client input of another shape)."""
+def named(request: Any, namespace: str) -> Handoff | None:
+    """What a request's producer stored in `namespace` (its `kv_transfer_params`); None
+    if it names nothing there (other params, or client input of another shape)."""
     params = getattr(request, "kv_transfer_params", None)
-    named = params.get(HANDOFF) if isinstance(params, dict) else None
-    if not isinstance(named, dict) or named.get("namespace") != namespace:
+    entry = params.get(HANDOFF) if isinstance(params, dict) else None
+    if not isinstance(entry, dict) or entry.get("namespace") != namespace:
         return None
-    chunks = named.get("chunks")
-    return chunks if isinstance(chunks, int) else None
+    chunks, tail = entry.get("chunks"), entry.get("tail", 0)
+    if not isinstance(chunks, int) or not isinstance(tail, int):
+        return None
+    return Handoff(chunks, tail)

@@ -31,7 +31,7 @@ from maru.vllm.guard import StoreGuard
 from maru.vllm.identity import warn_if_hash_seed_is_per_process
 from maru.vllm.metadata import NO_DATA_PATH, NULL_BLOCK, ChunkTransfer, MaruConnectorMetadata
 from maru.vllm.namespace import Namespace
-from maru.vllm.roles import Role, handoff, named_chunks
+from maru.vllm.roles import Handoff, Role, handoff, named
 from maru.vllm.stats import (
     HIT_TOKENS,
     LOOKUP_ERRORS,
@@ -222,15 +222,25 @@ class MaruScheduler:
         return hit_tokens(state.hit_chunks, prompt, self.chunk_tokens, tail)
 
     def _awaits_producer(self, request: Any, state: RequestState) -> bool:
-        """Is this a consumer's request whose producer named chunks the store does not
+        """Is this a consumer's request whose producer named objects the store does not
         hold yet (its saves still committing), within `consumer_wait`?"""
         if not self.role.waits:
             return False
-        chunks = named_chunks(request, self.key_prefix().decode())
-        if chunks is None or state.hit_chunks >= min(chunks, len(state.keys)):
+        stored = named(request, self.key_prefix().decode())
+        if stored is None or self._holds(state, stored):
             return False
         since = self._waiting_since.setdefault(request.request_id, time.monotonic())
         return time.monotonic() - since < self._config.consumer_wait
+
+    def _holds(self, state: RequestState, stored: Handoff) -> bool:
+        """Does the request's lookup find all its producer named (its chunks, then its
+        tail where this instance serves tails)?"""
+        chunks = min(stored.chunks, len(state.keys))
+        if state.hit_chunks < chunks:
+            return False
+        if not (self.tails and stored.tail) or state.hit_chunks > chunks:
+            return True
+        return state.tail is not None and state.tail.blocks >= stored.tail
 
     def _answers(self, state: RequestState, num_computed_tokens: int) -> bool:
         """Does a request's earlier lookup answer vLLM asking again (never while it waits
@@ -472,7 +482,7 @@ class MaruScheduler:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request: whether vLLM must keep its blocks until the worker reports
         its saves done (`get_finished`), and a producer's `kv_transfer_params` naming the
-        chunks it stored (a consumer given them waits for them)."""
+        objects it stored (a consumer given them waits for them)."""
         state = self.requests.pop(request.request_id, None)
         self.failed_loads.discard(request.request_id)
         self._waiting_since.pop(request.request_id, None)
@@ -480,11 +490,18 @@ class MaruScheduler:
         if saving and not self.saves_hold_blocks:
             self.saves_settled({request.request_id})
         params = None
-        if self.role.names_chunks and state is not None and state.planned_chunks:
-            params = handoff(self.key_prefix().decode(), state.planned_chunks)
+        if self.role.names_objects and state is not None and state.planned_chunks:
+            params = handoff(self.key_prefix().decode(), self._stored_of(state))
         if saving and self.saves_hold_blocks:
             self.held.add(request.request_id)
         return saving and self.saves_hold_blocks, params
+
+    def _stored_of(self, state: RequestState) -> Handoff:
+        """What a finished request has in the store: its planned chunks, and its own tail
+        where that was stored or saved (its blocks were computed)."""
+        own = self._own_tail(state.request)
+        saved = own is not None and state.own_tail is None and state.planned_chunks >= own.chunk
+        return Handoff(state.planned_chunks, own.blocks if saved else 0)
 
     def close(self) -> None:
         log.info("maru: scheduler half since start-up: %s", self.stats.lifetime)
