@@ -100,18 +100,25 @@ demo: $(STAMP)
 	$(BIN)/maru demo
 
 clean:
-	rm -rf $(VENV) .venv-vllm-* .pytest_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) .venv-vllm-* .venv-lmcache .pytest_cache .ruff_cache .import_linter_cache
+
+# LMCache, for the side-by-side online benchmark: a comparison, never a maru dependency,
+# so it gets an environment of its own over .venv's vLLM (tools/lmcache_env.py says how).
+LMCACHE_STAMP := .venv-lmcache/.maru-lmcache
+
+$(LMCACHE_STAMP): $(STAMP) tools/lmcache_env.py
+	$(BIN)/python tools/lmcache_env.py .venv-lmcache
 
 # The redis benchmark measures a private redis-server that tools/with-redis-server
 # starts on a free loopback port and stops afterwards.
-bench: $(STAMP) redis-server
+bench: $(STAMP) redis-server $(LMCACHE_STAMP)
 	PYTHON=$(BIN)/python tools/with-redis-server \
 	  $(BIN)/maru bench --backend shm --backend cxl --backend redis --backend mock \
 	  --plot benchmarks/results/bench.png
 	$(BIN)/python benchmarks/e2e_vllm.py
 	$(BIN)/python benchmarks/hit_cost.py
 	$(BIN)/python benchmarks/hit_cost.py --busy --output benchmarks/results/hit_cost_busy.json
-	$(BIN)/python benchmarks/online_serve.py
+	$(BIN)/python benchmarks/online_serve.py --lmcache .venv-lmcache
 	$(BIN)/python benchmarks/pool_attach.py
 	$(BIN)/python benchmarks/hybrid_hits.py
 
