@@ -42,7 +42,7 @@ import numpy as np
 from hit_cost import competing_load
 
 import maru
-from maru.cli._serve import ServerError, counter, free_port, serve
+from maru.cli._serve import counter, free_port, running, serve
 from maru.cli._tiny_model import add_word_tokenizer, build_tiny_llama
 from maru.cli.demo import model_cache
 
@@ -162,18 +162,8 @@ def lmcache_server(venv: Path, chunk_tokens: int) -> Iterator[int]:
         str(venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
         "--http-port", str(free_port()), "--chunk-size", str(chunk_tokens), *LMCACHE_SERVER,
     ]  # fmt: skip
-    with log.open("w") as output:
-        server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not accepts(port):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise ServerError(f"lmcache server not up: {log.read_text()[-4000:]}")
-            time.sleep(0.5)
+    with running(command, log, lambda: accepts(port), "lmcache server"):
         yield port
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 def accepts(port: int) -> bool:

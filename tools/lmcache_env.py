@@ -18,7 +18,6 @@ it builds VENV_DIR anew, and the Makefile runs it only when its stamp is stale)
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 import shutil
 import subprocess
@@ -26,6 +25,8 @@ import sys
 import sysconfig
 import venv
 from pathlib import Path
+
+from vllm_cpu_metadata import installed
 
 LMCACHE = "lmcache==0.5.6"
 CUDA_ONLY = {"cupy-cuda13x", "cuda-python", "cufile-python"}
@@ -56,14 +57,6 @@ def missing_requirements(python: Path) -> list[str]:
             continue
         wanted.append(line.split(";")[0].strip())
     return wanted
-
-
-def installed(name: str) -> bool:
-    try:
-        importlib.metadata.distribution(name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def main() -> int:

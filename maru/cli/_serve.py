@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,6 +38,28 @@ def healthy(url: str) -> bool:
 
 
 @contextmanager
+def running(
+    command: Sequence[str], log: Path, ready: Callable[[], bool], what: str
+) -> Iterator[None]:
+    """`command` in a process of its own (its output in `log`) for the block, entered
+    once `ready()` answers true; stopped at the end."""
+    with log.open("w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=os.environ)
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while not ready():
+            if process.poll() is not None:
+                raise ServerError(f"{what} exited: {log.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise ServerError(f"{what} not up in {STARTUP_S} s: {log.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+@contextmanager
 def serve(
     model: Path,
     log: Path,
@@ -49,33 +71,12 @@ def serve(
     told) on a free loopback port, with `transfer` as its --kv-transfer-config; its
     base URL once /health answers."""
     port = free_port()
-    command = [
-        str(vllm),
-        "serve",
-        str(model),
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        *options,
-    ]
+    command = [str(vllm), "serve", str(model), "--port", str(port), "--host", "127.0.0.1", *options]
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
-    with log.open("w") as output:
-        server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=os.environ)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while not healthy(url):
-            if server.poll() is not None:
-                raise ServerError(f"vllm serve exited: {log.read_text()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise ServerError(f"not up in {STARTUP_S} s: {log.read_text()[-4000:]}")
-            time.sleep(1)
+    with running(command, log, lambda: healthy(url), "vllm serve"):
         yield url
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 def counter(url: str, name: str) -> float:

@@ -26,6 +26,15 @@ class Handoff:
     chunks: int
     tail: int = 0
 
+    def found(self, hit_chunks: int, chunks: int, tail_blocks: int | None) -> bool:
+        """Does a lookup that found `hit_chunks` of the prompt's `chunks` whole chunks,
+        then a tail of `tail_blocks` blocks (None: this instance serves no tails), find
+        all this names?"""
+        named = min(self.chunks, chunks)
+        if hit_chunks != named:
+            return hit_chunks > named
+        return tail_blocks is None or tail_blocks >= self.tail
+
 
 @dataclass(frozen=True)
 class Role:

@@ -227,20 +227,11 @@ class MaruScheduler:
         if not self.role.waits:
             return False
         stored = named(request, self.key_prefix().decode())
-        if stored is None or self._holds(state, stored):
+        tail = (state.tail.blocks if state.tail else 0) if self.tails else None
+        if stored is None or stored.found(state.hit_chunks, len(state.keys), tail):
             return False
         since = self._waiting_since.setdefault(request.request_id, time.monotonic())
         return time.monotonic() - since < self._config.consumer_wait
-
-    def _holds(self, state: RequestState, stored: Handoff) -> bool:
-        """Does the request's lookup find all its producer named (its chunks, then its
-        tail where this instance serves tails)?"""
-        chunks = min(stored.chunks, len(state.keys))
-        if state.hit_chunks < chunks:
-            return False
-        if not (self.tails and stored.tail) or state.hit_chunks > chunks:
-            return True
-        return state.tail is not None and state.tail.blocks >= stored.tail
 
     def _answers(self, state: RequestState, num_computed_tokens: int) -> bool:
         """Does a request's earlier lookup answer vLLM asking again (never while it waits
