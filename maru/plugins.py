@@ -28,6 +28,7 @@ BUILTIN_PLUGINS = (
     "maru.backends.mock",
     "maru.backends.shm",
     "maru.backends.cxl",
+    "maru.backends.disk",
     "maru.backends.redis",
     "maru.backends.tiered",
     "maru.layouts",
