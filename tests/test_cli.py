@@ -74,7 +74,7 @@ def test_config_check_accepts_a_good_file(capsys, tmp_path) -> None:
         (
             "backend: nosuch\n",
             "backend = 'nosuch' (from file {path}): no backend named 'nosuch' is "
-            "installed; allowed: cxl, dirstore, mock, redis, shm, tiered",
+            "installed; allowed: cxl, dirstore, disk, mock, redis, shm, tiered",
         ),
         (
             "chunk_tokens: [256]\n",
@@ -169,7 +169,7 @@ def test_bench_refuses_an_unknown_backend_listing_the_installed_ones(capsys) -> 
     code, _, err = run_cli(capsys, "bench", "--backend", "mock", "--backend", "nosuch")
     assert code == 2
     assert "no backend named 'nosuch' is installed" in err
-    assert "cxl, dirstore, mock, redis, shm, tiered" in err
+    assert "cxl, dirstore, disk, mock, redis, shm, tiered" in err
     assert "mock:" not in err, "nothing was measured before the unknown name was refused"
 
 

@@ -163,7 +163,7 @@ def test_unusable_files_are_config_errors_naming_the_file(tmp_path, name, body, 
         (
             {"backend": "nosuch"},
             "backend = 'nosuch' (from argument): no backend named 'nosuch' is "
-            "installed; allowed: cxl, dirstore, mock, redis, shm, tiered",
+            "installed; allowed: cxl, dirstore, disk, mock, redis, shm, tiered",
         ),
         (
             {"s3": {"url": "s3://x"}},
@@ -270,7 +270,7 @@ def test_open_store_with_an_uninstalled_backend_lists_the_installed_ones() -> No
     with pytest.raises(
         maru.ConfigError,
         match=r"'nosuch' is installed; installed backends: "
-        r"cxl, dirstore, mock, redis, shm, tiered",
+        r"cxl, dirstore, disk, mock, redis, shm, tiered",
     ):
         get_plugin_manager().provided_backend("nosuch")
 
@@ -356,13 +356,13 @@ def test_configs_from_every_entry_point_are_equal() -> None:
         (
             lambda: maru.MaruConfig(backend="nope"),
             "backend = 'nope': no backend named 'nope' is installed; "
-            "allowed: cxl, dirstore, mock, redis, shm, tiered",
+            "allowed: cxl, dirstore, disk, mock, redis, shm, tiered",
         ),
         (
             lambda: MaruConfig.model_validate({"bogus": 1}),
             "bogus = 1: unknown key; allowed: backend, namespace, capacity, chunk_tokens, "
             "error_backoff, producer_loads, consumer_wait, config_file and the sections of "
-            "installed backends (mock, shm, cxl, redis, tiered, dirstore)",
+            "installed backends (mock, shm, cxl, disk, redis, tiered, dirstore)",
         ),
         (
             lambda: MaruConfig.model_validate_json('{"mock": {"fail_rate": 2}}'),

@@ -155,7 +155,7 @@ def test_the_registry_names_the_installed_backends_for_an_unknown_one() -> None:
     with pytest.raises(
         maru.ConfigError,
         match=r"backend: no backend named 'nosuch' is installed; installed backends: "
-        r"cxl, dirstore, mock, redis, shm, tiered",
+        r"cxl, dirstore, disk, mock, redis, shm, tiered",
     ):
         backend_class("nosuch")
 

@@ -179,12 +179,13 @@ class DiskBackend(Backend):
     def destroy(self) -> None:
         """Remove this namespace's directory, and the store's root once it holds nothing
         else."""
-        shutil.rmtree(self._dir, ignore_errors=True)
         with self._lock:
             self._index = _Index()
-        if [entry.name for entry in self._root.iterdir()] == [MARKER]:
-            (self._root / MARKER).unlink(missing_ok=True)
-            self._root.rmdir()
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(self._dir)
+            if os.listdir(self._root) == [MARKER]:
+                (self._root / MARKER).unlink()
+                self._root.rmdir()
 
     def clear(self) -> int:
         """Remove every object of this namespace; how many were removed."""
