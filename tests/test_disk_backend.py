@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 import maru
-from maru.backends.disk import MARKER, STALE_TEMP_SECONDS, TEMP_PREFIX, DiskBackend, _digest
+from maru.backends._disk.directory import MARKER, STALE_TEMP_SECONDS, TEMP_PREFIX
+from maru.backends._disk.objects import digest
+from maru.backends.disk import DiskBackend
 from maru.testing import KIB, BackendContract, EvictionContract, payload
 from tests.conftest import unique_name
 
@@ -113,7 +115,7 @@ def test_a_file_of_another_key_under_the_same_name_is_never_served(open_disk) ->
     store = open_disk()
     store.put(b"mine", b"my bytes")
     store.put(b"theirs", b"their bytes")
-    mine, theirs = store._path(_digest(b"mine")), store._path(_digest(b"theirs"))
+    mine, theirs = store._path(digest(b"mine")), store._path(digest(b"theirs"))
     os.replace(theirs, mine)
     assert store.get(b"mine") is None
     assert store.delete(b"mine") is False
@@ -124,7 +126,7 @@ def test_a_file_of_another_key_under_the_same_name_is_never_served(open_disk) ->
 def test_a_crashed_writers_temporary_file_is_invisible_and_cleaned_at_open(open_disk) -> None:
     store = open_disk()
     store.put(b"kept", b"v")
-    directory = store._path(_digest(b"lost")).parent
+    directory = store._path(digest(b"lost")).parent
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], **_text)
     left_by_dead = directory / f"{TEMP_PREFIX}{dead.stdout.strip()}.abc.{store._host}"
     left_long_ago = directory / f"{TEMP_PREFIX}1.def.elsewhere"

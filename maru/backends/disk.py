@@ -32,41 +32,50 @@ import os
 import secrets
 import shutil
 import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from hashlib import blake2b
 from pathlib import Path
 from typing import Any, ClassVar
 
-import xxhash
 from pydantic import Field
 
-from maru.backends.base import MAX_KEY_BYTES, Backend, ReadView, StoreStats
+from maru.backends._disk.directory import (
+    FANOUT,
+    MARKER,
+    TEMP_PREFIX,
+    abandoned,
+    object_names,
+    prepare_root,
+    unusable,
+)
+from maru.backends._disk.index import Index
+from maru.backends._disk.objects import (
+    CHECKSUM,
+    FORMAT_VERSION,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    OPEN_READ,
+    OPEN_WRITE,
+    Corrupt,
+    OtherKey,
+    digest,
+    is_object_name,
+    object_checksum,
+    parse,
+    read_all,
+    stored_key,
+    touch,
+    unlink_if_same,
+    write_all,
+)
+from maru.backends.base import Backend, ReadView, StoreStats
 from maru.config import Options
-from maru.errors import BackendError, ConfigError, ObjectTooLargeError
+from maru.errors import BackendError, ObjectTooLargeError
 from maru.hookspecs import hookimpl
-
-FORMAT_VERSION = 1
-"""Version of the directory layout and of every object file's header."""
-MARKER = "maru-disk-format"
-"""The file at the root of a store that holds its format version."""
-MAGIC = b"MKVD"
-HEADER = struct.Struct("<4sHHQ")
-"""magic, format version, key length, payload length; then the checksum, the key and
-the payload."""
-CHECKSUM = struct.Struct("<Q")
-HEADER_BYTES = HEADER.size + CHECKSUM.size
-FANOUT = [f"{i:02x}" for i in range(256)]
-DIGEST_BYTES = 16
-TEMP_PREFIX = ".tmp."
-STALE_TEMP_SECONDS = 600
-"""A temporary file this old is a crashed writer's, whoever wrote it."""
-OPEN_READ = os.O_RDONLY | os.O_CLOEXEC
-OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 
 
 def default_path() -> Path:
@@ -89,43 +98,6 @@ class DiskOptions(Options):
         description="seconds a process trusts its index of the directory before it scans "
         "it again to learn other processes' writes",
     )
-
-
-class _Corrupt(Exception):
-    """An object file whose header, length or checksum is wrong."""
-
-
-class _OtherKey(Exception):
-    """A well-formed object file of another key (a digest collision)."""
-
-
-class _Index:
-    """This process's view of the object files: their sizes, least recently used first."""
-
-    def __init__(self, sizes: OrderedDict[str, int] | None = None) -> None:
-        self.sizes = sizes or OrderedDict()
-        self.bytes = sum(self.sizes.values())
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def add(self, name: str, size: int) -> None:
-        self.discard(name)
-        self.sizes[name] = size
-        self.bytes += size
-
-    def discard(self, name: str) -> None:
-        self.bytes -= self.sizes.pop(name, 0)
-
-    def oldest(self) -> str:
-        """Remove and return the least recently used name."""
-        name, size = self.sizes.popitem(last=False)
-        self.bytes -= size
-        return name
-
-    def touch(self, name: str) -> None:
-        if name in self.sizes:
-            self.sizes.move_to_end(name)
 
 
 @dataclass
@@ -152,12 +124,12 @@ class DiskBackend(Backend):
         self._root = self.options.path.expanduser()
         self._dir = self._root / config.namespace
         self._lock = threading.Lock()
-        self._index = _Index()
+        self._index = Index()
         self._pending: dict[str, int] = {}
         self._hits = self._misses = self._evictions = 0
         self._scanned = 0.0
         self._host = socket.gethostname()
-        _prepare_root(self._root)
+        prepare_root(self._root)
         self._prepare_dir()
         with self._lock:
             self._scan(clean_temps=True)
@@ -180,7 +152,7 @@ class DiskBackend(Backend):
         """Remove this namespace's directory, and the store's root once it holds nothing
         else."""
         with self._lock:
-            self._index = _Index()
+            self._index = Index()
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(self._dir)
             if os.listdir(self._root) == [MARKER]:
@@ -216,7 +188,7 @@ class DiskBackend(Backend):
             os.close(os.open(probe, OPEN_WRITE, 0o600))
             probe.unlink()
         except OSError as exc:
-            raise _unusable(self._root, exc) from None
+            raise unusable(self._root, exc) from None
 
     # --- writing -------------------------------------------------------------
 
@@ -249,7 +221,7 @@ class DiskBackend(Backend):
                 f"object of {nbytes} bytes ({size} with its header) is larger than the store "
                 f"({capacity} bytes, the configured capacity)"
             )
-        name = _digest(key)
+        name = digest(key)
         path = self._path(name)
         with self._lock:
             if name in self._pending or path.exists() or not self._make_room(size):
@@ -288,11 +260,11 @@ class DiskBackend(Backend):
     def _write(self, pending: _Pending, payload: memoryview) -> bool:
         temporary = pending.path.with_name(self._temp_name())
         prefix = HEADER.pack(MAGIC, FORMAT_VERSION, len(pending.key), payload.nbytes)
-        checksum = CHECKSUM.pack(_checksum(prefix, pending.key, payload))
+        checksum = CHECKSUM.pack(object_checksum(prefix, pending.key, payload))
         try:
             fd = os.open(temporary, OPEN_WRITE, 0o666)
             try:
-                _write_all(fd, [prefix + checksum + pending.key, payload])
+                write_all(fd, [prefix + checksum + pending.key, payload])
                 now = time.time_ns()
                 os.utime(fd, ns=(now, now))
             finally:
@@ -340,7 +312,7 @@ class DiskBackend(Backend):
 
     def _read(self, key: bytes, target: Callable[[int], memoryview]) -> int | None:
         """Read the object into `target(size)`; its size, or None on a miss."""
-        name = _digest(key)
+        name = digest(key)
         path = self._path(name)
         try:
             fd = os.open(path, OPEN_READ)
@@ -367,16 +339,16 @@ class DiskBackend(Backend):
         try:
             stat = os.fstat(fd)
             header = os.pread(fd, HEADER_BYTES + len(key), 0)
-            size, checksum = _parse(header, key, stat.st_size)
+            size, checksum = parse(header, key, stat.st_size)
             view = target(size)
-            _read_all(fd, view, HEADER_BYTES + len(key))
-            if _checksum(header[: HEADER.size], key, view) != checksum:
-                raise _Corrupt
-            _touch(fd)
-        except _OtherKey:
+            read_all(fd, view, HEADER_BYTES + len(key))
+            if object_checksum(header[: HEADER.size], key, view) != checksum:
+                raise Corrupt
+            touch(fd)
+        except OtherKey:
             return None
-        except _Corrupt:
-            _unlink_if_same(path, stat)
+        except Corrupt:
+            unlink_if_same(path, stat)
             return None
         except OSError as exc:
             raise self._io_error("read", path, exc) from None
@@ -388,12 +360,12 @@ class DiskBackend(Backend):
             self._index.discard(name)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
-        return [self._path(_digest(key)).exists() for key in keys]
+        return [self._path(digest(key)).exists() for key in keys]
 
     # --- removing and listing ------------------------------------------------
 
     def _delete(self, key: bytes) -> bool:
-        name = _digest(key)
+        name = digest(key)
         path = self._path(name)
         if self._stored_key(path) != key:
             return False
@@ -421,7 +393,7 @@ class DiskBackend(Backend):
         """(name, key) of every object file whose key starts with `prefix` (a scan that
         reads each file's header)."""
         for sub in FANOUT:
-            for name in _object_names(self._dir / sub):
+            for name in object_names(self._dir / sub):
                 key = self._stored_key(self._dir / sub / name)
                 if key is not None and key.startswith(prefix):
                     yield name, key
@@ -429,18 +401,9 @@ class DiskBackend(Backend):
     def _stored_key(self, path: Path) -> bytes | None:
         """The key in an object file's header, or None if it is gone or not well formed."""
         try:
-            with open(path, "rb", buffering=0) as file:
-                header = file.read(HEADER_BYTES + MAX_KEY_BYTES)
-        except FileNotFoundError:
-            return None
+            return stored_key(path)
         except OSError as exc:
             raise self._io_error("read", path, exc) from None
-        if len(header) < HEADER_BYTES:
-            return None
-        magic, version, key_length, _ = HEADER.unpack_from(header)
-        if magic != MAGIC or version != FORMAT_VERSION or len(header) < HEADER_BYTES + key_length:
-            return None
-        return header[HEADER_BYTES : HEADER_BYTES + key_length]
 
     # --- the index -----------------------------------------------------------
 
@@ -465,24 +428,13 @@ class DiskBackend(Backend):
                 except FileNotFoundError:
                     continue
                 if entry.name.startswith(TEMP_PREFIX):
-                    if clean_temps and self._abandoned(entry.name, stat.st_mtime):
+                    if clean_temps and abandoned(entry.name, stat.st_mtime, self._host):
                         Path(entry.path).unlink(missing_ok=True)
-                elif _is_object_name(entry.name):
+                elif is_object_name(entry.name):
                     found.append((stat.st_mtime_ns, entry.name, stat.st_size))
         found.sort()
-        self._index = _Index(OrderedDict((name, size) for _, name, size in found))
+        self._index = Index(OrderedDict((name, size) for _, name, size in found))
         self._scanned = time.monotonic()
-
-    def _abandoned(self, temp_name: str, mtime: float) -> bool:
-        """Is this temporary file a crashed writer's: old, or written on this host by a
-        process that is gone?"""
-        if time.time() - mtime > STALE_TEMP_SECONDS:
-            return True
-        parts = temp_name[len(TEMP_PREFIX) :].split(".", 2)
-        if len(parts) != 3 or not parts[0].isdigit():
-            return False
-        pid, host = int(parts[0]), parts[2]
-        return host == self._host and not _alive(pid)
 
     def _stats(self) -> StoreStats:
         with self._lock:
@@ -505,139 +457,7 @@ class DiskBackend(Backend):
 
     def _close(self) -> None:
         with self._lock:
-            self._index = _Index()
-
-
-def _prepare_root(root: Path) -> None:
-    """Create the store's root and its format marker, or check the marker it has; a
-    ConfigError naming the path if it cannot be used."""
-    marker = root / MARKER
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if not marker.exists():
-            _claim(root)
-        version = marker.read_text().strip()
-    except OSError as exc:
-        raise _unusable(root, exc) from None
-    if version != str(FORMAT_VERSION):
-        raise ConfigError(
-            f"disk.path = {str(root)!r} holds a disk store of format {version!r} ({marker}); "
-            f"this maru reads and writes format {FORMAT_VERSION}: point disk.path at another "
-            f"directory, or remove this one (rm -r {root}) to start an empty store there"
-        )
-
-
-def _claim(root: Path) -> None:
-    """Write the format marker into a directory that holds nothing else (another
-    process may be doing so at the same time: the first marker stays)."""
-    others = [name for name in os.listdir(root) if not name.startswith(TEMP_PREFIX)]
-    if others and MARKER not in others:
-        raise ConfigError(
-            f"disk.path = {str(root)!r} is a directory that holds other files ({others[0]}, "
-            "...) and no disk store; allowed: a missing or empty directory, or one that "
-            "holds a disk store"
-        )
-    temporary = root / f"{TEMP_PREFIX}{os.getpid()}.{secrets.token_hex(6)}.marker"
-    try:
-        temporary.write_text(f"{FORMAT_VERSION}\n")
-        os.link(temporary, root / MARKER)
-    except FileExistsError:
-        pass
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-def _unusable(root: Path, exc: OSError) -> ConfigError:
-    return ConfigError(
-        f"disk.path = {str(root)!r}: cannot use it as a disk store "
-        f"({exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}); allowed: a "
-        "directory on a local filesystem that this process can create and write"
-    )
-
-
-def _digest(key: bytes) -> str:
-    return blake2b(key, digest_size=DIGEST_BYTES).hexdigest()
-
-
-def _is_object_name(name: str) -> bool:
-    return len(name) == 2 * DIGEST_BYTES and all(c in "0123456789abcdef" for c in name)
-
-
-def _object_names(directory: Path) -> list[str]:
-    try:
-        return [name for name in os.listdir(directory) if _is_object_name(name)]
-    except FileNotFoundError:
-        return []
-
-
-def _checksum(prefix: bytes, key: bytes, payload: memoryview) -> int:
-    """xxh3 of the header's fields, the key and the payload."""
-    hasher = xxhash.xxh3_64(prefix)
-    hasher.update(key)
-    hasher.update(payload)
-    return hasher.intdigest()
-
-
-def _parse(header: bytes, key: bytes, file_size: int) -> tuple[int, int]:
-    """(payload size, checksum) from an object file's header; _Corrupt if it is not
-    well formed or the file's length disagrees, _OtherKey if it holds another key."""
-    if len(header) < HEADER_BYTES:
-        raise _Corrupt
-    magic, version, key_length, size = HEADER.unpack_from(header)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise _Corrupt
-    if file_size != HEADER_BYTES + key_length + size:
-        raise _Corrupt
-    if header[HEADER_BYTES:] != key or key_length != len(key):
-        raise _OtherKey
-    return size, CHECKSUM.unpack_from(header, HEADER.size)[0]
-
-
-def _write_all(fd: int, buffers: list[Any]) -> None:
-    """Write every buffer, in order, in as few syscalls as the kernel takes."""
-    views = [memoryview(buffer).cast("B") for buffer in buffers]
-    while views:
-        written = os.writev(fd, views)
-        while views and written >= views[0].nbytes:
-            written -= views.pop(0).nbytes
-        if views:
-            views[0] = views[0][written:]
-
-
-def _read_all(fd: int, view: memoryview, offset: int) -> None:
-    """Fill `view` from the file at `offset`; _Corrupt if the file ends first."""
-    while view.nbytes:
-        got = os.preadv(fd, [view], offset)
-        if got == 0:
-            raise _Corrupt
-        view, offset = view[got:], offset + got
-
-
-def _touch(fd: int) -> None:
-    """Mark the object as just used (its mtime is its recency for every process); a
-    file another user owns keeps its time."""
-    now = time.time_ns()
-    with contextlib.suppress(PermissionError):
-        os.utime(fd, ns=(now, now))
-
-
-def _unlink_if_same(path: Path, stat: os.stat_result) -> None:
-    """Delete a corrupt file, unless another writer has replaced it meanwhile."""
-    try:
-        if os.stat(path).st_ino == stat.st_ino:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+            self._index = Index()
 
 
 @hookimpl

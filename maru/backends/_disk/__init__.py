@@ -1,0 +1,1 @@
+"""The disk backend's parts: object files, the store's directory, the LRU index."""
