@@ -18,6 +18,7 @@ from maru.backends._disk.objects import digest
 from maru.backends.disk import DiskBackend
 from maru.testing import KIB, BackendContract, EvictionContract, payload
 from tests.conftest import unique_name
+from tests.small_filesystem import run_on_small_filesystem
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 _text = {"capture_output": True, "text": True, "check": True}
@@ -272,3 +273,82 @@ def test_capacity_counts_file_bytes_and_clear_and_destroy_remove_them(open_disk,
     assert store.stats().objects == 0
     store.destroy()
     assert not (tmp_path / "gone").exists()
+
+
+FILL = """
+import sys
+import maru
+from maru.testing import payload
+store = maru.open_store(backend="disk", capacity="64MiB", disk={"path": sys.argv[1] + "/s"})
+stored = [store.put(f"k{i}", payload(f"k{i}", 512 << 10)) for i in range(40)]
+too_big = store.put("huge", payload("huge", 6 << 20))
+kept = [i for i in range(40) if store.get(f"k{i}") == payload(f"k{i}", 512 << 10)]
+info = store.info()
+print(all(stored), too_big, kept[-1], len(kept) < 8, store.stats().evictions > 0,
+      info["not_stored_disk_full"])
+"""
+
+
+def test_a_full_filesystem_evicts_and_never_fails_a_write(tmp_path) -> None:
+    """On a 4 MiB filesystem under a 64 MiB capacity: every write lands (the oldest
+    objects go), and one larger than the filesystem is not stored, without an error."""
+    printed = run_on_small_filesystem(FILL, "4m", tmp_path / "small").split()
+    assert printed == ["True", "False", "39", "True", "True", "1"]
+
+
+def test_an_io_error_while_writing_is_a_backend_error(open_disk, monkeypatch) -> None:
+    store = open_disk()
+
+    def broken(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("maru.backends._disk.objects.os.writev", broken)
+    with pytest.raises(maru.BackendError, match=r"write of .* failed: Input/output error"):
+        store.put(b"k", b"v")
+    monkeypatch.undo()
+    assert store.put(b"k", b"v") and store.get(b"k") == b"v"
+    assert [p.name for p in store._dir.glob(f"*/{TEMP_PREFIX}*")] == []
+
+
+KEEP_WRITING = """
+import sys
+import maru
+from maru.testing import payload
+store = maru.open_store(backend="disk", capacity="256MiB", disk={"path": sys.argv[1]})
+print("ready", flush=True)
+i = int(sys.argv[2])
+while True:
+    store.put(f"k{i}", payload(f"k{i}", (1 + i % 7) << 19))
+    i += 1
+"""
+
+
+def test_writers_killed_mid_write_leave_only_whole_objects(tmp_path) -> None:
+    """SIGKILL, again and again, of two processes writing objects of 0.5 to 3.5 MiB:
+    a reopened store serves every object it lists whole, and nothing torn."""
+    path = tmp_path / "store"
+    env = {**os.environ, "PYTHONPATH": str(REPOSITORY)}
+    for round_ in range(4):
+        writers = [
+            subprocess.Popen(
+                [sys.executable, "-c", KEEP_WRITING, str(path), str(1000 * (2 * round_ + w))],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for w in range(2)
+        ]
+        for writer in writers:
+            assert writer.stdout.readline().strip() == "ready"
+        time.sleep(0.2 + 0.1 * round_)
+        for writer in writers:
+            writer.kill()
+            writer.wait()
+    with maru.open_store(backend="disk", capacity="256MiB", disk={"path": str(path)}) as store:
+        keys = store.keys(b"")
+        assert len(keys) > 8
+        for key in keys:
+            index = int(key[1:])
+            assert store.get(key) == payload(key.decode(), (1 + index % 7) << 19)
+        assert store.stats().objects == len(keys)
+        assert [p.name for p in store._dir.glob(f"*/{TEMP_PREFIX}*")] == []

@@ -13,8 +13,9 @@ whole object even if it is deleted meanwhile.
   open once its writer is gone (same host, dead pid) or older than ten minutes.
 - A file whose length or checksum is wrong is deleted and read as a miss; a file
   holding another key (a digest collision) is a miss, never served.
-- Capacity (the config's `capacity`, counted in file bytes) is enforced with
-  least-recently-used eviction. Recency is each file's mtime, set on every write
+- Capacity (`disk.capacity`, else the config's `capacity`, counted in file bytes)
+  is enforced with least-recently-used eviction; a filesystem that fills up first
+  (ENOSPC, EDQUOT) evicts too, and a write that still finds no room stores nothing. Recency is each file's mtime, set on every write
   and read hit, so every process sees the same order. Each process keeps its own
   index of the directory (sizes, in recency order), rebuilt by scanning it at open
   and again before it evicts or reports stats, at most every `scan_interval`
@@ -28,6 +29,7 @@ whole object even if it is deleted meanwhile.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -73,9 +75,12 @@ from maru.backends._disk.objects import (
     write_all,
 )
 from maru.backends.base import Backend, ReadView, StoreStats
-from maru.config import Options
+from maru.config import Options, Size
 from maru.errors import BackendError, ObjectTooLargeError
 from maru.hookspecs import hookimpl
+
+FULL_DISK_RETRIES = 4
+"""Times a write that found the filesystem full evicts and tries again."""
 
 
 def default_path() -> Path:
@@ -90,6 +95,11 @@ class DiskOptions(Options):
         default_factory=default_path,
         description="directory of the store, on a local filesystem; every process on the "
         "node that names it shares its objects",
+    )
+    capacity: Size | None = Field(
+        None,
+        description="bytes of object files the store may hold (default: the top-level "
+        "capacity); in a tier below memory, typically many times the memory's",
     )
     scan_interval: float = Field(
         5.0,
@@ -122,11 +132,12 @@ class DiskBackend(Backend):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self._root = self.options.path.expanduser()
+        self._capacity: int = self.options.capacity or config.capacity
         self._dir = self._root / config.namespace
         self._lock = threading.Lock()
         self._index = Index()
         self._pending: dict[str, int] = {}
-        self._hits = self._misses = self._evictions = 0
+        self._hits = self._misses = self._evictions = self._full = 0
         self._scanned = 0.0
         self._host = socket.gethostname()
         prepare_root(self._root)
@@ -174,6 +185,7 @@ class DiskBackend(Backend):
             "capacity": stats.capacity,
             "used": stats.used,
             "objects": stats.objects,
+            "not_stored_disk_full": self._full,
         }
 
     # --- setup ---------------------------------------------------------------
@@ -215,7 +227,7 @@ class DiskBackend(Backend):
         """Room for the object, evicting if needed; None if the key is stored or being
         written by this process."""
         size = HEADER_BYTES + len(key) + nbytes
-        capacity = self.config.capacity
+        capacity = self._capacity
         if size > capacity:
             raise ObjectTooLargeError(
                 f"object of {nbytes} bytes ({size} with its header) is larger than the store "
@@ -231,19 +243,35 @@ class DiskBackend(Backend):
 
     def _make_room(self, size: int) -> bool:
         """Evict least recently used objects until `size` more bytes fit (lock held)."""
-        capacity = self.config.capacity
+        capacity = self._capacity
         if self._used() + size > capacity and self._scan_due():
             self._scan()
         while self._used() + size > capacity and self._index:
-            name = self._index.oldest()
-            try:
-                self._path(name).unlink()
-                self._evictions += 1
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise self._io_error("evict", self._path(name), exc) from None
+            self._evict_oldest()
         return self._used() + size <= capacity
+
+    def _evict_oldest(self) -> int:
+        """Remove the least recently used object (lock held); the bytes it held."""
+        name, size = self._index.oldest()
+        try:
+            self._path(name).unlink()
+            self._evictions += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._io_error("evict", self._path(name), exc) from None
+        return size
+
+    def _free_disk(self, size: int) -> bool:
+        """After the filesystem ran out of space: evict least recently used objects
+        holding at least `size` bytes; False if there was nothing left to evict."""
+        with self._lock:
+            if not self._index:
+                self._scan()
+            freed = 0
+            while freed < size and self._index:
+                freed += self._evict_oldest()
+            return freed > 0
 
     def _publish(self, pending: _Pending, payload: memoryview) -> bool:
         """Write the object and link it into place; False if another writer was first."""
@@ -258,6 +286,26 @@ class DiskBackend(Backend):
         return linked
 
     def _write(self, pending: _Pending, payload: memoryview) -> bool:
+        """Write and link the object, evicting when the filesystem is full; False if
+        another writer was first or no room could be made."""
+        for _ in range(FULL_DISK_RETRIES):
+            try:
+                return self._write_once(pending, payload)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise self._io_error("write", pending.path, exc) from None
+                if pending.size > self._filesystem_bytes() or not self._free_disk(pending.size):
+                    break
+        with self._lock:
+            self._full += 1
+        return False
+
+    def _filesystem_bytes(self) -> int:
+        """The size of the filesystem the store is on (an object larger never fits)."""
+        found = os.statvfs(self._dir)
+        return found.f_blocks * found.f_frsize
+
+    def _write_once(self, pending: _Pending, payload: memoryview) -> bool:
         temporary = pending.path.with_name(self._temp_name())
         prefix = HEADER.pack(MAGIC, FORMAT_VERSION, len(pending.key), payload.nbytes)
         checksum = CHECKSUM.pack(object_checksum(prefix, pending.key, payload))
@@ -274,8 +322,6 @@ class DiskBackend(Backend):
             except FileExistsError:
                 return False
             return True
-        except OSError as exc:
-            raise self._io_error("write", pending.path, exc) from None
         finally:
             temporary.unlink(missing_ok=True)
 
@@ -441,7 +487,7 @@ class DiskBackend(Backend):
             if self._scan_due():
                 self._scan()
             return StoreStats(
-                self.config.capacity,
+                self._capacity,
                 self._used(),
                 len(self._index),
                 self._hits,

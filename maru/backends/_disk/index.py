@@ -23,11 +23,11 @@ class Index:
     def discard(self, name: str) -> None:
         self.bytes -= self.sizes.pop(name, 0)
 
-    def oldest(self) -> str:
-        """Remove and return the least recently used name."""
+    def oldest(self) -> tuple[str, int]:
+        """Remove the least recently used object: its name and size."""
         name, size = self.sizes.popitem(last=False)
         self.bytes -= size
-        return name
+        return name, size
 
     def touch(self, name: str) -> None:
         if name in self.sizes:
