@@ -15,13 +15,14 @@ whole object even if it is deleted meanwhile.
   holding another key (a digest collision) is a miss, never served.
 - Capacity (`disk.capacity`, else the config's `capacity`, counted in file bytes)
   is enforced with least-recently-used eviction; a filesystem that fills up first
-  (ENOSPC, EDQUOT) evicts too, and a write that still finds no room stores nothing. Recency is each file's mtime, set on every write
-  and read hit, so every process sees the same order. Each process keeps its own
-  index of the directory (sizes, in recency order), rebuilt by scanning it at open
-  and again before it evicts or reports stats, at most every `scan_interval`
-  seconds. Between scans a process does not see other processes' writes, so
-  several writers may overshoot the capacity by what the others wrote since their
-  last scan. Hits, misses and evictions are counted per process.
+  (ENOSPC, EDQUOT) evicts too, and a write that still finds no room stores nothing.
+  Recency is each file's mtime, set on every write and read hit, so every process
+  sees the same order. Each process keeps its own index of the directory (sizes, in
+  recency order), rebuilt by scanning it at open and again before it evicts or
+  reports stats, at most every `scan_interval` seconds. Between scans a process
+  does not see other processes' writes, so several writers may overshoot the
+  capacity by what the others wrote since their last scan. Hits, misses and
+  evictions are counted per process.
 - No fsync: a crash of the machine may leave a published file with bad contents,
   which its checksum catches on the next read.
 """
