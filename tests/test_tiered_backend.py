@@ -1,12 +1,16 @@
-"""The tiered backend: shm in front of Redis, promotion, and tiers that fail."""
+"""The tiered backend: shm in front of Redis and of a disk, copies written in the
+background, promotion, restarts, and tiers that fail."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
 import maru
+from maru.backends.base import ReadView
 from maru.backends.shm import shm_path
-from maru.testing import BackendContract, payload
+from maru.testing import KIB, BackendContract, EvictionContract, payload
 from tests.conftest import unique_name
 from tests.redis_server import RedisServer, free_port
 
@@ -41,6 +45,7 @@ class TestTieredContract(BackendContract):
 def test_a_put_reaches_every_tier(tiered) -> None:
     store = tiered()
     assert store.put(b"k", b"both")
+    assert store.flush(10)
     shm, redis = store.tiers
     assert shm.get(b"k") == b"both" and redis.get(b"k") == b"both"
 
@@ -49,6 +54,7 @@ def test_a_reservation_commits_to_every_tier(tiered) -> None:
     store = tiered()
     with store.reserve(b"k", 4) as buffer:
         buffer[:] = b"zero"
+    assert store.flush(10)
     assert [tier.get(b"k") for tier in store.tiers] == [b"zero", b"zero"]
 
 
@@ -169,3 +175,150 @@ def test_keys_are_unsupported_only_when_no_tier_can_list_them(plugin_tiers, monk
 )
 def test_the_bytes_live_where_the_first_tiers_do(plugin_tiers, tiers, medium) -> None:
     assert plugin_tiers(*tiers).medium == medium
+
+
+@pytest.fixture
+def shm_disk(open_stores, tmp_path):
+    """Open shm-over-disk stores (`tiers` to add more): a small shm pool, a disk store
+    `disk_capacity` large, under `tmp_path`."""
+    pools: list[str] = []
+
+    def make(
+        capacity: int = 4 << 20,
+        disk_capacity: str = "64MiB",
+        tiers: tuple[str, ...] = ("shm", "disk"),
+        pool: str | None = None,
+        redis: str | None = None,
+        **tiered,
+    ) -> maru.Backend:
+        pools.append(pool or unique_name("tier"))
+        return open_stores(
+            backend="tiered",
+            capacity=capacity,
+            namespace="tiers",
+            tiered={"tiers": list(tiers), **tiered},
+            shm={"name": pools[-1]},
+            disk={"path": str(tmp_path / "disk"), "capacity": disk_capacity},
+            **({"redis": {"url": redis}} if redis else {}),
+        )
+
+    yield make
+    for pool in pools:
+        shm_path(pool).unlink(missing_ok=True)
+
+
+class TestShmOverDiskContract(BackendContract, EvictionContract):
+    @pytest.fixture
+    def make_store(self, shm_disk):
+        return lambda capacity: shm_disk(capacity, disk_capacity=str(capacity))
+
+
+def test_saves_never_wait_for_a_slow_tier_and_a_full_queue_drops_counted(
+    shm_disk, monkeypatch
+) -> None:
+    store = shm_disk(write_queue=2)
+    shm, disk = store.tiers
+    writing, released = threading.Event(), threading.Event()
+    real_begin = disk._begin
+
+    def stuck_begin(key, nbytes):
+        writing.set()
+        released.wait(30)
+        return real_begin(key, nbytes)
+
+    monkeypatch.setattr(disk, "_begin", stuck_begin)
+    saved = [store.put(b"k0", payload("k0", 64 * KIB))]
+    assert writing.wait(10)
+    saved += [store.put(f"k{i}", payload(f"k{i}", 64 * KIB)) for i in range(1, 6)]
+    assert saved == [True] * 6
+    assert all(shm.contains([f"k{i}" for i in range(6)]))
+    released.set()
+    assert store.flush(10)
+    copies = store.info()["tiers"]["disk"]["copies"]
+    assert (copies["queued"], copies["written"], copies["dropped"]) == (6, 3, 3)
+    assert sum(disk.contains([f"k{i}" for i in range(6)])) == 3
+
+
+def test_an_object_evicted_from_memory_stays_on_disk_and_comes_back(shm_disk) -> None:
+    store = shm_disk(capacity=1 << 20)
+    shm = store.tiers[0]
+    size = 200 * KIB
+    for i in range(20):
+        assert store.put(f"k{i}", payload(f"k{i}", size))
+        assert store.flush(10)
+    assert shm.contains([b"k0"]) == [False]
+    assert store.contains([f"k{i}" for i in range(20)]) == [True] * 20
+    view = store.view(b"k0")
+    assert bytes(view.data) == payload("k0", size) and view.valid()
+    assert store.flush(10)
+    assert shm.get(b"k0") == payload("k0", size)
+    out = bytearray(size)
+    assert store.get_into(b"k1", out) == size and out == payload("k1", size)
+    assert shm.get(b"k1") == payload("k1", size)
+
+
+def test_a_restarted_node_with_an_empty_pool_hits_from_disk_at_once(shm_disk) -> None:
+    first = shm_disk(pool="restart-" + unique_name())
+    for i in range(8):
+        first.put(f"k{i}", payload(f"k{i}", 100 * KIB))
+    pool = first.tiers[0].options.name
+    first.close()
+    shm_path(pool).unlink()
+    again = shm_disk(pool=pool)
+    assert again.tiers[0].stats().objects == 0
+    assert again.contains([f"k{i}" for i in range(8)]) == [True] * 8
+    assert [again.get(f"k{i}") for i in range(8)] == [payload(f"k{i}", 100 * KIB) for i in range(8)]
+    assert again.flush(10)
+    assert again.tiers[0].stats().objects == 8
+
+
+def test_a_copy_of_an_object_that_changed_while_copied_is_removed_again(
+    shm_disk, monkeypatch
+) -> None:
+    store = shm_disk()
+    shm, disk = store.tiers
+    real_view = shm.view
+    monkeypatch.setattr(shm, "view", lambda key: ReadView(real_view(key).data, valid=lambda: False))
+    assert store.put(b"k", payload("k", 10 * KIB))
+    assert store.flush(10)
+    assert disk.contains([b"k"]) == [False]
+    assert store.info()["tiers"]["disk"]["copies"]["lost"] == 1
+
+
+def test_a_copy_of_an_object_gone_before_its_turn_is_counted_lost(shm_disk, monkeypatch) -> None:
+    store = shm_disk()
+    shm, disk = store.tiers
+    monkeypatch.setattr(shm, "view", lambda key: None)
+    store.put(b"k", b"v")
+    assert store.flush(10)
+    assert disk.contains([b"k"]) == [False]
+    assert store.info()["tiers"]["disk"]["copies"]["lost"] == 1
+
+
+def test_write_queue_zero_writes_copies_in_the_caller(shm_disk) -> None:
+    store = shm_disk(write_queue=0)
+    store.put(b"k", b"v")
+    assert store.tiers[1].get(b"k") == b"v"
+    assert store.copiers[1]._thread is None
+
+
+def test_closing_writes_the_queued_copies(shm_disk, tmp_path) -> None:
+    store = shm_disk()
+    for i in range(30):
+        store.put(f"k{i}", payload(f"k{i}", 64 * KIB))
+    disk = store.tiers[1]
+    store.close()
+    with maru.open_store(
+        backend="disk", capacity="64MiB", namespace="tiers", disk={"path": str(tmp_path / "disk")}
+    ) as reopened:
+        assert reopened.contains([f"k{i}" for i in range(30)]) == [True] * 30
+    assert disk._closed
+
+
+def test_three_tiers_promote_a_redis_hit_into_memory_and_disk(shm_disk, redis_server) -> None:
+    store = shm_disk(tiers=("shm", "disk", "redis"), redis=redis_server.url)
+    shm, disk, redis = store.tiers
+    redis.put(b"k", payload("k", 5000))
+    assert store.get(b"k") == payload("k", 5000)
+    assert store.flush(10)
+    assert shm.get(b"k") == payload("k", 5000) and disk.get(b"k") == payload("k", 5000)

@@ -1,25 +1,32 @@
-"""Tiers: several backends in order, the cheapest first (e.g. shm on this node, then Redis).
+"""Tiers: several backends in order, the cheapest first (e.g. shm, then a local disk,
+then Redis).
 
-A put goes to every tier; a read is served by the first tier that has the
-object and copies it into the tiers above; `contains` asks a lower tier only
-about the keys the tiers above lack. A tier that fails counts as a miss for
-that call, so a failing lower tier never breaks the tiers above it; only when
-every tier fails is the call a `BackendError`. A tier that cannot do an operation
-at all (`UnsupportedOperationError`, e.g. listing keys) is left out of it; only
-when no tier can is the call unsupported. The store's bytes live where its first
-tier's do (`medium`).
+A save lands in the first tier, in the caller; its copies into the tiers below are
+written in the background (`maru.backends._tiered.copier`: a bounded queue per tier
+that drops rather than blocks), so an object evicted from memory stays below. A read
+is served by the first tier that has the object; one found below is promoted into the
+tiers above (into the first in the background where it can hand over a private
+copy). `contains` asks a lower tier only about the keys the tiers above lack, one
+batch per tier. A tier that fails counts as a miss for that call, so a failing lower
+tier never breaks the tiers above it; only when every tier fails is the call a
+`BackendError`. A tier that cannot do an operation at all
+(`UnsupportedOperationError`, e.g. listing keys) is left out of it; only when no tier
+can is the call unsupported. The store's bytes live where its first tier's do
+(`medium`, `zero_copy`, `host_memory`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from maru.backends.base import Backend, StoreStats
+from maru.backends._tiered.copier import Copier
+from maru.backends.base import Backend, ReadView, StoreStats
 from maru.backends.registry import backend_class
 from maru.config import Options
 from maru.errors import BackendError, UnsupportedOperationError
@@ -40,6 +47,18 @@ class TieredOptions(Options):
         ["shm", "redis"],
         min_length=2,
         description="backend names, the cheapest (tried first) first",
+    )
+
+    write_queue: int = Field(
+        256,
+        ge=0,
+        le=1_000_000,
+        description="copies waiting to be written into each lower tier in the background; "
+        "when full, a copy is dropped (counted) rather than the save waiting; 0: write "
+        "copies in the caller",
+    )
+    close_wait: float = Field(
+        10.0, ge=0, description="seconds closing the store waits for queued copies"
     )
 
     @field_validator("tiers")
@@ -70,7 +89,11 @@ class TieredBackend(Backend):
             raise
         self._lock = threading.Lock()
         self._hits = self._misses = 0
-        self.medium = self.tiers[0].medium
+        top = self.tiers[0]
+        self.copiers = [Copier(top, tier, self.options.write_queue) for tier in self.tiers]
+        """One per tier: the copies written into it in the background."""
+        self.medium = top.medium
+        self.zero_copy = top.zero_copy
         self.lists_keys = any(tier.lists_keys for tier in self.tiers)
 
     @classmethod
@@ -93,20 +116,57 @@ class TieredBackend(Backend):
             log.warning("maru tier %s failed to %s, treated as a miss: %s", tier.name, what, exc)
             return FAILED
 
+    def host_memory(self) -> memoryview | None:
+        return self.tiers[0].host_memory()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued copy is written into its tier; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(
+            copier.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            for copier in self.copiers
+        )
+
+    def info(self) -> dict[str, Any]:
+        """Each tier's counters, and what became of the copies queued for it."""
+        return {
+            "label": self.label,
+            "tiers": {
+                tier.name: {**self._tier_stats(tier), "copies": dict(copier.counts)}
+                for tier, copier in zip(self.tiers, self.copiers, strict=True)
+            },
+        }
+
+    def _tier_stats(self, tier: Backend) -> dict[str, int]:
+        found = self._attempt(tier, lambda t: t.stats().as_dict(), "report its counters")
+        return {} if found is FAILED else found
+
     def _put(self, key: bytes, data: memoryview) -> bool:
-        """The first tier that answers decides (first writer wins); the rest get copies."""
-        for index, tier in enumerate(self.tiers):
+        """The first tier decides (first writer wins) and the rest get copies in the
+        background; if it fails, the first tier below that answers decides, in the
+        caller."""
+        stored = self._attempt(self.tiers[0], lambda t: t.put(key, data), "store")
+        if stored is not FAILED:
+            if stored:
+                self._copy_below(key)
+            return stored
+        for index, tier in enumerate(self.tiers[1:], start=1):
             stored = self._attempt(tier, lambda t: t.put(key, data), "store")
             if stored is not FAILED:
                 if stored:
-                    self._store_in(self.tiers[index + 1 :], key, data)
+                    self._store_in(range(index + 1, len(self.tiers)), key, data)
                 return stored
         raise BackendError("every tier failed to put")
 
-    def _store_in(self, tiers: list[Backend], key: bytes, data: Any) -> None:
-        """Copies for other tiers: one that fails only loses its copy."""
-        for tier in tiers:
-            self._attempt(tier, lambda t: t.put(key, data), "store a copy")
+    def _copy_below(self, key: bytes) -> None:
+        """Queue copies of the first tier's object `key` for every tier below it."""
+        for copier in self.copiers[1:]:
+            copier.submit(key)
+
+    def _store_in(self, tiers: range, key: bytes, data: Any) -> None:
+        """Copies, carrying their bytes, for the tiers at these positions."""
+        for index in tiers:
+            self.copiers[index].submit(key, data)
 
     def _begin(self, key: bytes, nbytes: int) -> tuple[Any, memoryview] | None:
         stack = ExitStack()
@@ -125,9 +185,11 @@ class TieredBackend(Backend):
 
     def _commit(self, handle: tuple[bytes, memoryview, ExitStack | None]) -> None:
         key, buffer, stack = handle
-        self._store_in(self.tiers[1:], key, buffer)
-        if stack is not None:
-            stack.close()
+        if stack is None:
+            self._store_in(range(1, len(self.tiers)), key, buffer)
+            return
+        stack.close()
+        self._copy_below(key)
 
     def _abort(self, handle: tuple[bytes, memoryview, ExitStack | None]) -> None:
         stack = handle[2]
@@ -152,14 +214,35 @@ class TieredBackend(Backend):
     def _get(self, key: bytes) -> bytes | None:
         index, data = self._read(lambda tier: tier.get(key))
         if index > 0:
-            self._store_in(self.tiers[:index], key, data)
+            self._store_in(range(index), key, data)
         return data
 
     def _get_into(self, key: bytes, out: memoryview) -> int | None:
+        """A hit below is promoted into the first tier in the caller (the caller reuses
+        `out`), and into the tiers between in the background."""
         index, size = self._read(lambda tier: tier.get_into(key, out))
         if index > 0:
-            self._store_in(self.tiers[:index], key, out[:size])
+            self._promote(key, out[:size], index)
         return size
+
+    def _view(self, key: bytes) -> ReadView | None:
+        """The first tier's view where it has the object; a private copy from below is
+        promoted in the background, one that may change (another zero-copy tier's)
+        in the caller."""
+        index, view = self._read(lambda tier: tier.view(key))
+        if index > 0:
+            if self.tiers[index].zero_copy:
+                self._promote(key, view.data, index)
+            else:
+                self._store_in(range(index), key, view.data)
+        return view
+
+    def _promote(self, key: bytes, data: memoryview, found_in: int) -> None:
+        """Copy an object found in tier `found_in` into the first tier now, and into the
+        tiers between in the background."""
+        if self._attempt(self.tiers[0], lambda t: t.put(key, data), "store a copy") is True:
+            for copier in self.copiers[1:found_in]:
+                copier.submit(key)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
         answers = [False] * len(keys)
@@ -181,16 +264,19 @@ class TieredBackend(Backend):
         return answers
 
     def _delete(self, key: bytes) -> bool:
+        self.flush(self.options.close_wait)
         answers = [self._attempt(tier, lambda t: t.delete(key), "delete") for tier in self.tiers]
         if all(answer is FAILED for answer in answers):
             raise BackendError("every tier failed to delete")
         return any(answer is True for answer in answers)
 
     def _keys(self, prefix: bytes) -> list[bytes]:
+        self.flush(self.options.close_wait)
         answers = self._answers(lambda t: t.keys(prefix), "list its keys", "keys")
         return sorted({key for answer in answers for key in answer})
 
     def _delete_prefix(self, prefix: bytes) -> int:
+        self.flush(self.options.close_wait)
         answers = self._answers(
             lambda t: t.delete_prefix(prefix), "delete by prefix", "delete_prefix"
         )
@@ -233,6 +319,10 @@ class TieredBackend(Backend):
             )
 
     def _close(self) -> None:
+        """Write the queued copies (for up to `close_wait` seconds), then close the tiers."""
+        deadline = time.monotonic() + self.options.close_wait
+        for copier in getattr(self, "copiers", []):
+            copier.close(max(0.0, deadline - time.monotonic()))
         for tier in self.tiers:
             tier.close()
 

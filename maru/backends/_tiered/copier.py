@@ -1,0 +1,144 @@
+"""Copies of objects into one tier, written in the background by a thread of its own.
+
+A save lands in the first tier; the copies into the tiers below (a disk, a network
+store) are queued here, so the caller never waits for them. The queue is bounded: when
+the tier cannot keep up, a copy is dropped (counted) rather than the caller blocked.
+A queued copy names its key and reads the object from the first tier when its turn
+comes, so queueing copies nothing; a copy that carries its own bytes (a promotion of an
+object read from below, or a save the first tier could not take) holds them until
+written. An object gone from the first tier before its turn is lost (counted), and so
+is one that changed while it was being copied (its memory reused): the copy goes
+through a reservation in the tier, aborted unless the object was still whole once
+copied, so no reader of the tier ever sees torn bytes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from maru.backends.base import Backend
+from maru.errors import BackendError
+from maru.log import get_logger
+
+log = get_logger(__name__)
+STOP = object()
+"""Queued by `close`: the thread ends once the copies before it are written."""
+COUNTS = ("queued", "written", "present", "dropped", "lost", "failed")
+"""What a copier counts: copies queued, written, found already in the tier, dropped
+because the queue was full, lost because the object left the first tier first, and
+failed in the tier."""
+
+
+class _Changed(Exception):
+    """The object changed while it was being copied: the copy is aborted."""
+
+
+class Copier:
+    """Copies into `target` of objects of `source` (the first tier); see the module
+    docstring. `depth` 0 copies in the caller instead."""
+
+    def __init__(self, source: Backend, target: Backend, depth: int) -> None:
+        self.source, self.target = source, target
+        self.counts: Counter[str] = Counter(dict.fromkeys(COUNTS, 0))
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Any] | None = queue.Queue(depth) if depth else None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, key: bytes, data: Any = None) -> None:
+        """Copy the object `key` into the tier: `data` if given (bytes nobody changes
+        meanwhile), else the first tier's object."""
+        self._count("queued")
+        if self._queue is None:
+            self._copy(key, data)
+            return
+        self._start()
+        try:
+            self._queue.put_nowait((key, data))
+        except queue.Full:
+            self._count("dropped")
+            if self.counts["dropped"] in (1, 100) or self.counts["dropped"] % 10_000 == 0:
+                log.warning(
+                    "maru tier %s cannot keep up: %d copies dropped so far",
+                    self.target.name,
+                    self.counts["dropped"],
+                )
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued copy is written (or dropped); False on timeout."""
+        if self._queue is None:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(remaining)
+        return True
+
+    def close(self, timeout: float) -> None:
+        """Write what is queued, for up to `timeout` seconds, then stop."""
+        if self._thread is None or self._queue is None:
+            return
+        self.flush(timeout)
+        try:
+            self._queue.put(STOP, timeout=1)
+        except queue.Full:
+            return
+        self._thread.join(timeout=1)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"maru-copies-to-{self.target.name}", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            item = self._queue.get()
+            try:
+                if item is STOP:
+                    return
+                self._copy(*item)
+            finally:
+                self._queue.task_done()
+
+    def _copy(self, key: bytes, data: Any) -> None:
+        """Write one copy; a failure is counted and logged, never raised."""
+        try:
+            self._count(self._write(key, data))
+        except BackendError as exc:
+            self._count("failed")
+            log.warning("maru tier %s failed to store a copy: %s", self.target.name, exc)
+        except Exception:
+            self._count("failed")
+            log.exception("maru tier %s: copy failed", self.target.name)
+
+    def _write(self, key: bytes, data: Any) -> str:
+        """Copy one object; what to count."""
+        if data is not None:
+            return "written" if self.target.put(key, data) else "present"
+        view = self.source.view(key)
+        if view is None:
+            return "lost"
+        try:
+            with self.target.reserve(key, len(view.data)) as buffer:
+                if buffer is None:
+                    return "present"
+                buffer[:] = view.data
+                if not view.valid():
+                    raise _Changed
+        except _Changed:
+            return "lost"
+        return "written"
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
