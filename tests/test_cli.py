@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from maru.cli import main
-from maru.cli.bench import run_bench
+from maru.cli.bench import format_report, run_bench
 from tests.redis_server import free_port
 
 
@@ -186,3 +186,19 @@ def test_bench_sizes_are_validated(capsys, bad) -> None:
         main(["bench", f"--size={bad}"])
     assert exited.value.code == 2
     assert f"argument --size: {bad!r}" in capsys.readouterr().err
+
+
+def test_bench_disk_measures_plain_files_on_the_same_filesystem(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    report = run_bench("disk", sizes=(64 * 1024,), capacity=8 << 20, progress=lambda line: None)
+    (row,) = report["sizes"]
+    assert row["file_write_gbps"] > 0 and row["file_read_gbps"] > 0
+    assert "beside plain files of the same size" in format_report(report)
+    leftovers = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert leftovers == [], "the benchmark removes its store and its plain files"
+
+
+def test_bench_of_a_store_in_memory_has_no_file_baseline() -> None:
+    report = run_bench("mock", sizes=(64 * 1024,), capacity=8 << 20, progress=lambda line: None)
+    assert report["sizes"][0]["file_write_gbps"] is None
+    assert "plain files" not in format_report(report)

@@ -9,7 +9,9 @@ never the same cache-hot bytes twice. A backend that declares a private store
 configured store, under a namespace of its own, deleting what it wrote. A private
 store that `wraps` is measured in steady state (after it has wrapped, so every put
 evicts) and, for 4 MiB puts, on a fresh store's first pass, as a new serving node
-sees it.
+sees it. A store on local disk (`medium` "disk") is also measured against the
+device: a plain write of a new file and a read of an earlier one, of the same size,
+in the store's own directory (so on the same filesystem), in the same run.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import shutil
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,12 +50,15 @@ FIRST_PASS_SIZE = 4 * MIB
 
 @dataclass
 class SizeResult:
-    """Throughput for one object size, in GB/s, and the ratios to memcpy."""
+    """Throughput for one object size, in GB/s, and the ratios to memcpy; for a store on
+    local disk, also plain file writes and reads of the same bytes."""
 
     size: int
     memcpy_gbps: float
     put_gbps: float
     get_into_gbps: float
+    file_write_gbps: float | None = None
+    file_read_gbps: float | None = None
 
     @property
     def put_ratio(self) -> float:
@@ -132,6 +139,50 @@ def memcpy_seconds(sources: Rotation, targets: Rotation, repeats: int) -> float:
     return _median_seconds(lambda: np.copyto(targets(), sources()), repeats)
 
 
+class FileBaseline:
+    """Plain files of one size in a directory: the device's own write and read speed
+    through the same filesystem (and page cache) as a disk store's objects."""
+
+    def __init__(self, directory: Path, size: int, kept: int) -> None:
+        self._directory = directory / f".bench-baseline-{os.getpid()}"
+        self._directory.mkdir(exist_ok=True)
+        self._kept, self._files = kept, list[Path]()
+
+    def write(self, data: np.ndarray) -> None:
+        """Write `data` as a new file, and drop the oldest beyond the kept ones."""
+        path = self._directory / str(len(self._files))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        self._files.append(path)
+        if len(self._files) > self._kept:
+            self._files[-self._kept - 1].unlink()
+
+    def read(self, out: np.ndarray) -> None:
+        """Read the oldest file kept into `out`."""
+        fd = os.open(self._files[-min(self._kept, len(self._files))], os.O_RDONLY)
+        try:
+            os.preadv(fd, [out], 0)
+        finally:
+            os.close(fd)
+
+    def remove(self) -> None:
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def store_directory(store: maru.Backend) -> Path | None:
+    """The directory of a store on local disk, where it says (`info()["path"]`)."""
+    if store.medium != "disk":
+        return None
+    try:
+        path = store.info().get("path")
+    except UnsupportedOperationError:
+        return None
+    return None if path is None else Path(path)
+
+
 def bench_size(
     store: maru.Backend,
     size: int,
@@ -140,14 +191,15 @@ def bench_size(
     arenas: tuple[np.ndarray, np.ndarray],
     wrap: bool,
 ) -> SizeResult:
-    """put and get_into of `size`-byte objects, and memcpy of the same bytes.
+    """put and get_into of `size`-byte objects, and memcpy of the same bytes (and, for a
+    store on local disk, plain file writes and reads).
 
     Each repetition copies once (the baseline), writes a new object and reads an
-    older one, as serving does, from and into rotating buffers; interleaving the
-    three keeps the machine's drift out of the ratios. With `wrap` the store is
-    first filled once, so that every measured put evicts; the objects read, the
-    last of the fill, are read often enough to be kept. The keys written are added
-    to `written`.
+    older one, as serving does, from and into rotating buffers; interleaving them
+    keeps the machine's drift out of the ratios. With `wrap` the store is first
+    filled once, so that every measured put evicts; the objects read, the last of
+    the fill, are read often enough to be kept. The keys written are added to
+    `written`.
     """
     repeats = max(5, min(200, BENCH_BYTES // size))
     sources, targets = Rotation(arenas[0], size), Rotation(arenas[1], size)
@@ -156,19 +208,30 @@ def bench_size(
     for i in range(capacity // size + 1 if wrap else kept):
         written.append(f"fill-{run}-{i}".encode())
         store.put(written[-1], sources())
+    directory = store_directory(store)
+    files = None if directory is None else FileBaseline(directory, size, kept)
     reads = itertools.cycle(written[-kept:])
-    samples: dict[str, list[float]] = {"memcpy": [], "put": [], "get": []}
-    for i in range(repeats):
-        written.append(f"bench-{run}-{i}".encode())
-        samples["memcpy"].append(_timed(np.copyto, targets(), sources())[0])
-        samples["put"].append(_timed(store.put, written[-1], sources())[0])
-        seconds, found = _timed(store.get_into, next(reads), targets())
-        if found is None:
-            raise maru.BackendError(f"benchmark missed a {size}-byte object it wrote")
-        samples["get"].append(seconds)
+    samples: dict[str, list[float]] = {name: [] for name in ("memcpy", "put", "get", "fw", "fr")}
+    try:
+        for i in range(repeats):
+            written.append(f"bench-{run}-{i}".encode())
+            samples["memcpy"].append(_timed(np.copyto, targets(), sources())[0])
+            if files is not None:
+                samples["fw"].append(_timed(files.write, sources())[0])
+                samples["fr"].append(_timed(files.read, targets())[0])
+            samples["put"].append(_timed(store.put, written[-1], sources())[0])
+            seconds, found = _timed(store.get_into, next(reads), targets())
+            if found is None:
+                raise maru.BackendError(f"benchmark missed a {size}-byte object it wrote")
+            samples["get"].append(seconds)
+    finally:
+        if files is not None:
+            files.remove()
     _check_read_back(store, written[-1], size)
-    memcpy, put, get = (statistics.median(samples[name]) for name in ("memcpy", "put", "get"))
-    return SizeResult(size, size / memcpy / 1e9, size / put / 1e9, size / get / 1e9)
+    gbps = {name: size / statistics.median(times) / 1e9 for name, times in samples.items() if times}
+    return SizeResult(
+        size, gbps["memcpy"], gbps["put"], gbps["get"], gbps.get("fw"), gbps.get("fr")
+    )
 
 
 def _check_read_back(store: maru.Backend, key: bytes, size: int) -> None:
@@ -298,6 +361,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_size_label(r['size']):>8} {r['memcpy_gbps']:8.2f} {r['put_gbps']:8.2f} "
             f"{r['put_ratio']:6.2f} {r['get_into_gbps']:9.2f} {r['get_ratio']:6.2f}"
         )
+    if report["sizes"] and report["sizes"][0]["file_write_gbps"] is not None:
+        lines += _file_baseline_lines(report["sizes"])
     first = report["first_pass"]
     if first:
         lines += [
@@ -312,6 +377,22 @@ def format_report(report: dict[str, Any]) -> str:
         f"4 KiB put {latency['put_4k_us']:.1f} us, get_into {latency['get_4k_us']:.1f} us"
     )
     return "\n".join(lines)
+
+
+def _file_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The disk store beside plain files of the same size on the same filesystem."""
+    lines = [
+        "beside plain files of the same size in the store's directory (same run), GB/s:",
+        f"{'size':>8} {'write':>8} {'put':>8} {'ratio':>6} {'read':>9} {'get_into':>9} "
+        f"{'ratio':>6}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{_size_label(r['size']):>8} {r['file_write_gbps']:8.2f} {r['put_gbps']:8.2f} "
+            f"{r['put_gbps'] / r['file_write_gbps']:6.2f} {r['file_read_gbps']:9.2f} "
+            f"{r['get_into_gbps']:9.2f} {r['get_into_gbps'] / r['file_read_gbps']:6.2f}"
+        )
+    return lines
 
 
 def _size_label(size: int) -> str:
