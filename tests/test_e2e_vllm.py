@@ -225,6 +225,25 @@ def test_tiered_shm_in_front_of_redis(tiny_model, baseline, redis_server, shm_po
         shm_path(other_pool).unlink(missing_ok=True)
 
 
+def test_a_restarted_node_hits_from_its_disk_at_once(tiny_model, baseline, shm_pool, tmp_path):
+    """shm in front of a disk: an engine stores, the node restarts (its shm pool gone),
+    and the next engine's first prompt loads the shared prefix from disk."""
+    disk = {"path": str(tmp_path / "disk"), "capacity": "1GiB"}
+    node = maru_config(
+        "tiered", tiered={"tiers": ["shm", "disk"]}, shm={"name": shm_pool}, disk=disk
+    )
+    run_engine(tiny_model, PROMPTS_A, kv_transfer_config=node)
+    shm_path(shm_pool).unlink()
+    restarted = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=node)
+    assert restarted.external_cached_tokens == [SHARED, 0, 0]
+    assert restarted.token_ids == baseline["B"]
+    assert restarted.extra["connector_totals"]["load_errors"] == 0
+    with maru.open_store(
+        maru.load_config(backend="shm", capacity="256MiB", shm={"name": shm_pool})
+    ) as pool:
+        assert pool.stats().objects >= SHARED // CHUNK, "disk hits were promoted into shm"
+
+
 def test_chunks_an_engine_holds_are_saved_again_once_the_store_lost_them(tiny_model, shm_pool):
     """A pool of about 6.5 chunks: another prompt's 6 chunks evict the prompt's 4 (both
     end within a block of a chunk's end: no tails)."""
