@@ -113,7 +113,7 @@ $(LMCACHE_STAMP): $(STAMP) tools/lmcache_env.py
 # starts on a free loopback port and stops afterwards.
 bench: $(STAMP) redis-server $(LMCACHE_STAMP)
 	PYTHON=$(BIN)/python tools/with-redis-server \
-	  $(BIN)/maru bench --backend shm --backend cxl --backend redis --backend mock \
+	  $(BIN)/maru bench --backend shm --backend cxl --backend redis --backend disk --backend mock \
 	  --plot benchmarks/results/bench.png
 	$(BIN)/python benchmarks/e2e_vllm.py
 	$(BIN)/python benchmarks/hit_cost.py
@@ -121,6 +121,7 @@ bench: $(STAMP) redis-server $(LMCACHE_STAMP)
 	$(BIN)/python benchmarks/online_serve.py --lmcache .venv-lmcache
 	$(BIN)/python benchmarks/pool_attach.py
 	$(BIN)/python benchmarks/hybrid_hits.py
+	$(BIN)/python benchmarks/disk_tier.py
 
 # The data path on a CUDA machine (no vLLM needed): round trips and throughput.
 bench-gpu: $(STAMP)
