@@ -407,7 +407,11 @@ class DiskBackend(Backend):
             self._index.discard(name)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
-        return [self._path(digest(key)).exists() for key in keys]
+        directory = str(self._dir)
+        return [
+            os.path.exists(f"{directory}/{name[:2]}/{name}")
+            for name in (digest(key) for key in keys)
+        ]
 
     # --- removing and listing ------------------------------------------------
 
