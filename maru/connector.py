@@ -111,7 +111,7 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
 
     def get_kv_connector_stats(self) -> MaruConnectorStats | None:
         if self.worker_half is not None:
-            return self.worker_half.stats.take()
+            return self.worker_half.report()
         return self.scheduler_half.report()
 
     def shutdown(self) -> None:

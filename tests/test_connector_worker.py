@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -520,3 +521,36 @@ def test_a_cache_on_an_unsupported_device_disables_the_worker_once(
     assert len(errors) == 1 and "device meta" in errors[0] and "supports cpu, cuda" in errors[0]
     assert failed == {1, 2}
     assert reader.get_handshake_metadata().layout_fingerprint == NO_DATA_PATH
+
+
+def test_copies_a_lower_tier_could_not_take_are_counted_as_dropped(
+    tiny_model, pool, tmp_path
+) -> None:
+    """mock in front of a disk whose writes are stuck, with room for one queued copy: of
+    four saved chunks one is being copied, one waits, two are dropped (kept in memory)."""
+    tiers = {
+        "backend": "tiered",
+        "tiered": {"tiers": ["mock", "disk"], "write_queue": 1},
+        "disk": {"path": str(tmp_path / "disk")},
+    }
+    writer = worker(tiny_model, pool, kv_caches(1), settings=tiers)
+    store = writer.worker_half.store.available()
+    disk = store.tiers[1]
+    writing, released = threading.Event(), threading.Event()
+    real_begin = disk._begin
+
+    def stuck_begin(key, nbytes):
+        writing.set()
+        released.wait(30)
+        return real_begin(key, nbytes)
+
+    disk._begin = stuck_begin
+    run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [1, 2])]))
+    assert writing.wait(10)
+    saves = [ChunkTransfer(f"k{i}".encode(), [2 * i + 1, 2 * i + 2]) for i in range(1, 4)]
+    run_step(writer, MaruConnectorMetadata(saves=saves))
+    stats = writer.get_kv_connector_stats().data
+    assert (stats["saves"], stats["copies_dropped"]) == (4, 2)
+    released.set()
+    assert store.flush(10)
+    assert sum(disk.contains([rank_key(f"k{i}".encode(), 0) for i in range(4)])) == 2

@@ -102,6 +102,9 @@ class StoreStats:
     misses: int = 0
     evictions: int = 0
     reclaimed: int = 0
+    dropped: int = 0
+    """Copies into a lower tier not written because it could not keep up (tiered:
+    dropped from a full queue), counted by this process."""
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for JSON and logs)."""

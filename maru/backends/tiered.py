@@ -305,18 +305,15 @@ class TieredBackend(Backend):
                 self._misses += 1
 
     def _stats(self) -> StoreStats:
-        """The first tier's space and evictions; hits and misses of the tiers together."""
+        """The first tier's space and evictions; hits and misses of the tiers together,
+        and the copies dropped for every tier."""
         top = self.tiers[0].stats()
         with self._lock:
-            return StoreStats(
-                top.capacity,
-                top.used,
-                top.objects,
-                self._hits,
-                self._misses,
-                top.evictions,
-                top.reclaimed,
-            )
+            hits, misses = self._hits, self._misses
+        dropped = sum(copier.counts["dropped"] for copier in self.copiers)
+        return StoreStats(
+            top.capacity, top.used, top.objects, hits, misses, top.evictions, top.reclaimed, dropped
+        )
 
     def _close(self) -> None:
         """Write the queued copies (for up to `close_wait` seconds), then close the tiers."""

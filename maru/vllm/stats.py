@@ -59,6 +59,13 @@ LOADED_BYTES = Stat(
 SAVED_BYTES = Stat(
     "saved_bytes", "counter", "Bytes copied into the store.", "vllm:maru_saved_bytes"
 )
+COPIES_DROPPED = Stat(
+    "copies_dropped",
+    "counter",
+    "Saved chunks whose copy into a lower tier (e.g. disk) was dropped because the tier "
+    "could not keep up: kept in the first tier only.",
+    "vllm:maru_copies_dropped",
+)
 SKIPPED_SECONDS = Stat(
     "skipped_seconds",
     "counter",
@@ -118,6 +125,7 @@ TABLE = (
     SAVED_BYTES,
     SAVE_SECONDS,
     SAVE_ERRORS,
+    COPIES_DROPPED,
     SKIPPED_SECONDS,
     LOAD_LATENCIES,
     SAVE_LATENCIES,
