@@ -86,6 +86,23 @@ def unique_name(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+def stall_reservations(
+    monkeypatch: pytest.MonkeyPatch, store: Backend
+) -> tuple[threading.Event, threading.Event]:
+    """Make `store`'s writes wait: (writing, released), set once a write has started,
+    and to be set by the test to let the writes go on."""
+    writing, released = threading.Event(), threading.Event()
+    begin = store._begin
+
+    def stalled(key: bytes, nbytes: int) -> object:
+        writing.set()
+        released.wait(30)
+        return begin(key, nbytes)
+
+    monkeypatch.setattr(store, "_begin", stalled)
+    return writing, released
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     """A random-weight Llama small enough for vLLM's CPU backend, built locally."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from maru.connector import MaruKVConnector
 from maru.transfer import DataPath
 from maru.vllm.keys import HEADER_BYTES, rank_key
 from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruConnectorMetadata
-from tests.conftest import unique_name
+from tests.conftest import stall_reservations, unique_name
 from tests.copy_queues import DeferredQueue, FailingQueue
 from tests.vllm_harness import make_kv_cache_config, make_vllm_config
 
@@ -524,7 +523,7 @@ def test_a_cache_on_an_unsupported_device_disables_the_worker_once(
 
 
 def test_copies_a_lower_tier_could_not_take_are_counted_as_dropped(
-    tiny_model, pool, tmp_path
+    tiny_model, pool, tmp_path, monkeypatch
 ) -> None:
     """mock in front of a disk whose writes are stuck, with room for one queued copy: of
     four saved chunks one is being copied, one waits, two are dropped (kept in memory)."""
@@ -536,15 +535,7 @@ def test_copies_a_lower_tier_could_not_take_are_counted_as_dropped(
     writer = worker(tiny_model, pool, kv_caches(1), settings=tiers)
     store = writer.worker_half.store.available()
     disk = store.tiers[1]
-    writing, released = threading.Event(), threading.Event()
-    real_begin = disk._begin
-
-    def stuck_begin(key, nbytes):
-        writing.set()
-        released.wait(30)
-        return real_begin(key, nbytes)
-
-    disk._begin = stuck_begin
+    writing, released = stall_reservations(monkeypatch, disk)
     run_step(writer, MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [1, 2])]))
     assert writing.wait(10)
     saves = [ChunkTransfer(f"k{i}".encode(), [2 * i + 1, 2 * i + 2]) for i in range(1, 4)]

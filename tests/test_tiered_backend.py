@@ -3,15 +3,13 @@ background, promotion, restarts, and tiers that fail."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 import maru
 from maru.backends.base import ReadView
 from maru.backends.shm import shm_path
 from maru.testing import KIB, BackendContract, EvictionContract, payload
-from tests.conftest import unique_name
+from tests.conftest import stall_reservations, unique_name
 from tests.redis_server import RedisServer, free_port
 
 
@@ -218,15 +216,7 @@ def test_saves_never_wait_for_a_slow_tier_and_a_full_queue_drops_counted(
 ) -> None:
     store = shm_disk(write_queue=2)
     shm, disk = store.tiers
-    writing, released = threading.Event(), threading.Event()
-    real_begin = disk._begin
-
-    def stuck_begin(key, nbytes):
-        writing.set()
-        released.wait(30)
-        return real_begin(key, nbytes)
-
-    monkeypatch.setattr(disk, "_begin", stuck_begin)
+    writing, released = stall_reservations(monkeypatch, disk)
     saved = [store.put(b"k0", payload("k0", 64 * KIB))]
     assert writing.wait(10)
     saved += [store.put(f"k{i}", payload(f"k{i}", 64 * KIB)) for i in range(1, 6)]
@@ -322,3 +312,20 @@ def test_three_tiers_promote_a_redis_hit_into_memory_and_disk(shm_disk, redis_se
     assert store.get(b"k") == payload("k", 5000)
     assert store.flush(10)
     assert shm.get(b"k") == payload("k", 5000) and disk.get(b"k") == payload("k", 5000)
+
+
+def test_with_the_first_tier_failing_the_next_decides_and_copies_keep_the_bytes(
+    shm_disk, redis_server, monkeypatch
+) -> None:
+    store = shm_disk(tiers=("shm", "disk", "redis"), redis=redis_server.url)
+    shm, disk, redis = store.tiers
+
+    def broken(*args, **kwargs):
+        raise maru.BackendError("shm broken for the test")
+
+    monkeypatch.setattr(shm, "put", broken)
+    data = bytearray(payload("k", 5000))
+    assert store.put(b"k", data)
+    data[:] = bytes(len(data))
+    assert store.flush(10)
+    assert disk.get(b"k") == payload("k", 5000) and redis.get(b"k") == payload("k", 5000)

@@ -144,7 +144,8 @@ class TieredBackend(Backend):
     def _put(self, key: bytes, data: memoryview) -> bool:
         """The first tier decides (first writer wins) and the rest get copies in the
         background; if it fails, the first tier below that answers decides, in the
-        caller."""
+        caller, and the tiers below that get copies of the bytes (the caller's buffer is
+        the caller's again once this returns)."""
         stored = self._attempt(self.tiers[0], lambda t: t.put(key, data), "store")
         if stored is not FAILED:
             if stored:
@@ -154,7 +155,7 @@ class TieredBackend(Backend):
             stored = self._attempt(tier, lambda t: t.put(key, data), "store")
             if stored is not FAILED:
                 if stored:
-                    self._store_in(range(index + 1, len(self.tiers)), key, data)
+                    self._store_in(range(index + 1, len(self.tiers)), key, bytes(data))
                 return stored
         raise BackendError("every tier failed to put")
 
