@@ -163,3 +163,35 @@ def test_the_pool_package_is_private_to_the_backends() -> None:
     assert len(sources) > 10
     offenders = [str(p) for p in sources if PRIVATE_POOL_IMPORT.search(p.read_text())]
     assert offenders == [], "ask the Backend (maru.backends.base) instead of the pool"
+
+
+def test_the_pool_commands_work_on_a_disk_store(capsys, tmp_path) -> None:
+    """Namespaces, their records, stats, clearing one namespace and destroying the store,
+    as on a shm pool."""
+    from maru.vllm.keys import namespace_prefix, rank_key
+    from maru.vllm.records import write_record
+
+    config = tmp_path / "maru.yaml"
+    config.write_text(f"backend: disk\ndisk:\n  path: {tmp_path / 'store'}\n")
+    code, _, err = run(capsys, "pool", "stats", "--config", str(config))
+    assert code == 1 and "does not exist" in err and not (tmp_path / "store").exists()
+    digest = "0123456789abcdef" * 2
+    ours, theirs = namespace_prefix("tenant-a", digest), namespace_prefix("tenant-b", digest)
+    chunks = [rank_key(prefix + b"chunk", 0) for prefix in (ours, theirs)]
+    with maru.open_store(maru.load_config(config)) as store:
+        for prefix, chunk in zip((ours, theirs), chunks, strict=True):
+            store.put(chunk, b"kv")
+            write_record(store, prefix, {"model": "m"})
+    code, out, _ = run(capsys, "pool", "namespaces", "--config", str(config))
+    assert code == 0
+    assert f"tenant-a/{digest}  objects 1" in out and f"tenant-b/{digest}  objects 1" in out
+    code, out, _ = run(capsys, "pool", "stats", "--config", str(config), "--json")
+    assert (code, json.loads(out)["objects"]) == (0, 4)
+    code, out, _ = run(
+        capsys, "pool", "clear", "--config", str(config), "--namespace", f"tenant-a/{digest}"
+    )
+    assert code == 0
+    with maru.open_store(maru.load_config(config)) as store:
+        assert store.contains(chunks) == [False, True]
+    assert run(capsys, "pool", "destroy", "--config", str(config))[0] == 0
+    assert not (tmp_path / "store").exists()

@@ -152,6 +152,15 @@ class DiskBackend(Backend):
         return f"files under {options.path} (local disk)"
 
     @classmethod
+    def open_existing(cls, config: Any) -> DiskBackend:
+        """The configured store, or BackendError if its directory holds no disk store
+        (tools never create one by looking)."""
+        root = config.backend_options(cls.name).path.expanduser()
+        if not (root / MARKER).is_file():
+            raise BackendError(f"disk store {root} does not exist (no {MARKER} there)")
+        return cls(config)
+
+    @classmethod
     def private_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
         """A store of its own under the user's cache directory, named `tag`."""
         return {"path": str(default_path().parent / "disk-private" / tag)}
