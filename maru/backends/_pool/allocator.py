@@ -3,7 +3,9 @@
 Live entries form a doubly linked list in address order (`prev`/`next`); free
 entries form a list through `chain`. Allocation walks the address ring from the
 clock hand (`CURSOR`): objects under the hand are evicted unless recently used
-(second chance), or pending with a live writer.
+(second chance), or pending with a live writer. Every link followed and every entry
+whose space is taken is checked first (`Damaged` if it fails), and the live entries
+the table is rebuilt from must be sound: the rest are dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from maru.backends._pool.region import (
     COMMITTED,
     CURSOR,
     CURSOR_NEXT,
+    DAMAGED,
     EVICTIONS,
     FREE,
     FREE_HEAD,
@@ -30,6 +33,7 @@ from maru.backends._pool.region import (
     REMOVAL_LOG_SLOTS,
     REMOVALS,
     USED,
+    Damaged,
     Geometry,
     Tables,
 )
@@ -61,8 +65,10 @@ class Allocator:
         if placed is None:
             return NONE
         offset, before, after = placed
-        entry = t.link(FREE_HEAD)
-        t.set_link(FREE_HEAD, int(t.chain[entry]))
+        entry = self._link(FREE_HEAD)
+        if entry == NONE or t.state[entry] != FREE:
+            raise Damaged("the free list names an entry in use")
+        t.set_link(FREE_HEAD, t.entry(t.chain[entry]))
         self._place(entry, key, hashed, offset, span, nbytes, writer, before, after)
         return entry
 
@@ -75,7 +81,7 @@ class Allocator:
         t.gen[entry] += 1  # first: once FREE, no reader may accept the old generation
         t.state[entry] = FREE
         self._index.remove(entry)
-        before, after = int(t.prev[entry]), int(t.next[entry])
+        before, after = t.entry(t.prev[entry]), t.entry(t.next[entry])
         if before == NONE:
             t.set_link(ADDR_HEAD, after)
         else:
@@ -108,6 +114,8 @@ class Allocator:
     def _evictable(self, entry: int) -> bool:
         """May the allocator take this entry's space now? Clears second chances."""
         t = self._t
+        if not t.sound(entry):
+            raise Damaged(f"entry {entry} under the clock hand fails its checks")
         state = int(t.state[entry])
         if state == COMMITTED:
             if t.hot[entry]:
@@ -119,39 +127,47 @@ class Allocator:
     def _allocate(self, span: int) -> tuple[int, int, int] | None:
         """(offset, prev entry, next entry) of a free range of `span` bytes, or None."""
         t, capacity = self._t, self._capacity
-        start, following = t.get(CURSOR), t.link(CURSOR_NEXT)
+        start, following = t.get(CURSOR), self._link(CURSOR_NEXT)
+        if start > capacity:
+            raise Damaged(f"the clock hand is at {start}, beyond the pool")
         travelled = 0
         while travelled <= 2 * capacity + span:
             if start + span > capacity:
                 travelled += capacity - start
-                start, following = 0, t.link(ADDR_HEAD)
+                start, following = 0, self._link(ADDR_HEAD)
             victims, blocker, entry = [], NONE, following
             while entry != NONE and t.offset[entry] < start + span:
                 if not self._evictable(entry):
                     blocker = entry
                     break
                 victims.append(entry)
-                entry = int(t.next[entry])
+                entry = t.entry(t.next[entry])
             if blocker == NONE:
-                before = int(t.prev[following]) if following != NONE else t.link(ADDR_TAIL)
+                before = t.entry(t.prev[following]) if following != NONE else self._link(ADDR_TAIL)
                 for victim in victims:
                     self.evict(victim)
                 return start, before, entry
             end = int(t.offset[blocker] + t.span[blocker])
+            if end <= start:
+                raise Damaged("the address list goes backwards")
             travelled += end - start
-            start, following = end, int(t.next[blocker])
+            start, following = end, t.entry(t.next[blocker])
         return None
+
+    def _link(self, word: int) -> int:
+        """A header word that names an entry, checked."""
+        return self._t.entry(self._t.link(word))
 
     def _evict_one(self) -> bool:
         """Free one entry slot when the table is full (clock order from the hand)."""
         t = self._t
-        entry, steps = t.link(CURSOR_NEXT), 0
+        entry, steps = self._link(CURSOR_NEXT), 0
         while steps < 2 * self._entries + 1:
             if entry == NONE:
-                entry = t.link(ADDR_HEAD)
+                entry = self._link(ADDR_HEAD)
                 if entry == NONE:
                     return False
-            following = int(t.next[entry])
+            following = t.entry(t.next[entry])
             if self._evictable(entry):
                 self.evict(entry)
                 return True
@@ -187,21 +203,30 @@ class Allocator:
             t.prev[after] = entry
         self._index.insert(entry, hashed)
         t.state[entry] = PENDING
+        t.seal(entry)
         t.add(USED, span)
         t.set(CURSOR, offset + span)
         t.set_link(CURSOR_NEXT, after)
 
     def live_entries(self) -> np.ndarray:
-        """Entries in use, in address order; frees those out of bounds or overlapping."""
-        t = self._t.arrays
-        live = np.flatnonzero(t.state != FREE)
-        bad = live[(t.offset[live] < 0) | (t.offset[live] + t.span[live] > self._capacity)]
-        live = live[np.argsort(t.offset[live], kind="stable")]
-        overlaps = live[1:][t.offset[live[1:]] < (t.offset[live] + t.span[live])[:-1]]
-        for entry in np.concatenate([bad, overlaps]):
-            t.gen[entry] += 1
-            t.state[entry] = FREE
-        return live[t.state[live] != FREE]
+        """Entries in use, in address order; frees those that are not sound (counted as
+        damaged) or overlap another."""
+        a, t = self._t.arrays, self._t
+        unsound = [e for e in np.flatnonzero(a.state != FREE).tolist() if not t.sound(e)]
+        self._drop(unsound)
+        t.add(DAMAGED, len(unsound))
+        live = np.flatnonzero(a.state != FREE)
+        live = live[np.argsort(a.offset[live], kind="stable")]
+        overlaps = live[1:][a.offset[live[1:]] < (a.offset[live] + a.span[live])[:-1]]
+        self._drop(overlaps.tolist())
+        return live[a.state[live] != FREE]
+
+    def _drop(self, entries: list[int]) -> None:
+        """Mark entries free, changing their generation first (a rebuild relinks them)."""
+        a = self._t.arrays
+        for entry in entries:
+            a.gen[entry] += 1
+            a.state[entry] = FREE
 
     def rebuild(self, live: np.ndarray) -> None:
         """Address list, free list, counters and hand from `live_entries()` (after the
@@ -219,5 +244,7 @@ class Allocator:
         t.set(FREE_HEAD, int(free[0]) if len(free) else NO_LINK)
         t.set(USED, int(a.span[live].sum()))
         t.set(OBJECTS, int((a.state[live] == COMMITTED).sum()))
+        if t.get(CURSOR) > self._capacity:
+            t.set(CURSOR, 0)
         after = live[a.offset[live] >= t.get(CURSOR)]
         t.set_link(CURSOR_NEXT, int(after[0]) if len(after) else NONE)

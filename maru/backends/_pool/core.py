@@ -13,6 +13,11 @@
   is freed; a large object is copied outside the lock and the copy counts only
   if the generation is unchanged afterwards, so a reader gets the committed
   bytes or a miss, never a recycled object.
+- Damage (bytes in the region no maru wrote) is found by the checks of `region`,
+  `index` and `allocator`, which raise `Damaged` inside a section: the section then
+  rebuilds the derived state from the entry table, dropping the entries that are
+  not sound (counted in `damaged`, the repair in `repairs`), and the operation is a
+  miss (a read) or is tried once more (a write, a lookup, a listing).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import mmap
 import os
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -40,6 +46,7 @@ from maru.backends._pool.region import (
     ALIGN,
     COMMITTED,
     CORRUPT,
+    DAMAGED,
     DIRTY,
     EVICTIONS,
     FREE,
@@ -53,7 +60,9 @@ from maru.backends._pool.region import (
     RECOVERIES,
     REMOVAL_LOG_SLOTS,
     REMOVALS,
+    REPAIRS,
     USED,
+    Damaged,
     Geometry,
     Tables,
     round_up,
@@ -67,6 +76,7 @@ SMALL_COPY = 1024 * 1024
 
 Handle = tuple[int, int]
 """A reservation: (entry, generation)."""
+_T = TypeVar("_T")
 
 
 class Section:
@@ -93,7 +103,9 @@ class Section:
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
         pool = self._pool
         try:
-            if self._changing and kind is None:
+            if kind is not None and issubclass(kind, Damaged):
+                pool._repair()
+            elif self._changing and kind is None:
                 pool.tables.set(DIRTY, 0)
         finally:
             pool._mutex.__exit__(None, None, None)
@@ -119,7 +131,7 @@ class Pool:
         self.label = label
         self.users = 0
         self.tables = Tables(region, geometry)
-        self.index = Index(self.tables, geometry.buckets)
+        self.index = Index(self.tables, geometry.buckets, geometry.entries)
         self._lock_fd = lock_descriptor(fd)
         self.writers = WriterSlots(self._lock_fd, self.tables, label)
         self.allocator = Allocator(self.tables, self.index, geometry, self.writers.alive)
@@ -164,6 +176,14 @@ class Pool:
             self.tables.add(RECOVERIES, 1)
             self.tables.set(DIRTY, 0)
 
+    def _repair(self) -> None:
+        """Rebuild after damage was found (caller holds the mutex); marked dirty
+        meanwhile, so that a repair cut short is done again by the next holder."""
+        self.tables.set(DIRTY, 1)
+        self._rebuild()
+        self.tables.add(REPAIRS, 1)
+        self.tables.set(DIRTY, 0)
+
     def _rebuild(self) -> None:
         """Derive index, address list, free list and counters from the entry table."""
         live = self.allocator.live_entries()
@@ -176,14 +196,18 @@ class Pool:
         """Reserve space for `key`; (handle, writable view), or None if taken or no room."""
         span, hashed, writer = self._prepare(key, nbytes)
         t = self.tables
-        with self.changing():
-            entry = self.allocator.claim(key, hashed, span, nbytes, writer)
-            if entry == NONE:
-                return None
-            generation = int(t.gen[entry])
-        start = int(t.offset[entry]) + len(key)
+
+        def claim() -> Handle | None:
+            with self.changing():
+                entry = self.allocator.claim(key, hashed, span, nbytes, writer)
+                return None if entry == NONE else (entry, int(t.gen[entry]))
+
+        handle = self._retried(claim)
+        if handle is None:
+            return None
+        start = int(t.offset[handle[0]]) + len(key)
         self._map_data(start, nbytes, writable=True)
-        return (entry, generation), t.data_view[start : start + nbytes]
+        return handle, t.data_view[start : start + nbytes]
 
     def put_small(self, key: bytes, data: memoryview, checksum: bool = False) -> bool:
         """Store a small object in one critical section (cheaper than reserve + commit);
@@ -191,14 +215,30 @@ class Pool:
         span, hashed, writer = self._prepare(key, data.nbytes)
         check = object_checksum(data) if checksum else NO_CHECKSUM
         t = self.tables
-        with self.changing():
-            entry = self.allocator.claim(key, hashed, span, data.nbytes, writer)
-            if entry == NONE:
-                return False
-            start = int(t.offset[entry]) + len(key)
-            t.data_view[start : start + data.nbytes] = data
-            self._publish(entry, check)
-            return True
+
+        def put() -> bool:
+            with self.changing():
+                entry = self.allocator.claim(key, hashed, span, data.nbytes, writer)
+                if entry == NONE:
+                    return False
+                start = int(t.offset[entry]) + len(key)
+                t.data_view[start : start + data.nbytes] = data
+                self._publish(entry, check)
+                return True
+
+        return self._retried(put)
+
+    def _retried(self, operation: Callable[[], _T]) -> _T:
+        """`operation()`, once more if it found damage (repaired meanwhile); damage found
+        again is a BackendError."""
+        try:
+            return operation()
+        except Damaged:
+            pass
+        try:
+            return operation()
+        except Damaged as exc:
+            raise BackendError(f"{self.label} is damaged beyond repair here: {exc}") from None
 
     def _map_data(self, start: int, size: int, writable: bool) -> None:
         """Map an object's bytes (at `start` of the data area) before they are copied."""
@@ -229,8 +269,9 @@ class Pool:
             )
 
     def abort(self, handle: Handle) -> None:
-        """Drop a reservation and free its space (if it is still this process's own)."""
-        with self.changing():
+        """Drop a reservation and free its space (if it is still this process's own; a
+        repair after damage found meanwhile frees it too, or leaves it to reclaiming)."""
+        with contextlib.suppress(Damaged), self.changing():
             if self._own_reservation(handle):
                 self.allocator.free(handle[0])
 
@@ -245,6 +286,7 @@ class Pool:
         """Commit a pending entry with its checksum (caller is changing the pool)."""
         self.tables.check[entry] = check
         self.tables.state[entry] = COMMITTED
+        self.tables.seal(entry)
         self.tables.add(OBJECTS, 1)
 
     def _own_reservation(self, handle: Handle) -> bool:
@@ -254,6 +296,7 @@ class Pool:
         return (
             t.gen[entry] == generation
             and t.state[entry] == PENDING
+            and t.sound(entry)
             and self.writers.owns(int(t.writer[entry]))
         )
 
@@ -266,7 +309,7 @@ class Pool:
 
         With `verify`, an object whose bytes do not match the checksum written at its
         commit is a miss, and is removed (counted in `corrupt`)."""
-        copied = self._copy(key, out_for)
+        copied = self._missed_if_damaged(lambda: self._copy(key, out_for))
         if copied is None:
             return None
         out, entry, generation, check = copied
@@ -317,12 +360,10 @@ class Pool:
         now; `valid()` takes that back (a miss) if the object was freed meanwhile, or,
         with `verify`, if its bytes do not match its checksum (it is then removed)."""
         t = self.tables
-        with self.locked():
-            found = self._find_committed(key)
-            if found is None:
-                return None
-            entry, start, size, generation, check = found
-            t.add(HITS, 1)
+        found = self._missed_if_damaged(lambda: self._found_for_view(key))
+        if found is None:
+            return None
+        entry, start, size, generation, check = found
         self._map_data(start, size, writable=False)
         data = t.data_view[start : start + size].toreadonly()
 
@@ -339,10 +380,26 @@ class Pool:
 
         return ReadView(data, valid)
 
+    def _found_for_view(self, key: bytes) -> tuple[int, int, int, int, int] | None:
+        """`_find_committed` in a section of its own, counted as a hit."""
+        with self.locked():
+            found = self._find_committed(key)
+            if found is not None:
+                self.tables.add(HITS, 1)
+            return found
+
+    @staticmethod
+    def _missed_if_damaged(read: Callable[[], _T]) -> _T | None:
+        """`read()`, or a miss if it found damage (repaired meanwhile)."""
+        try:
+            return read()
+        except Damaged:
+            return None
+
     def _discard_corrupt(self, entry: int, generation: int) -> None:
         """Count a load that failed its checksum as a miss, and free the object."""
         t = self.tables
-        with self.changing():
+        with contextlib.suppress(Damaged), self.changing():
             t.add(CORRUPT, 1)
             t.add(HITS, -1)
             t.add(MISSES, 1)
@@ -354,17 +411,25 @@ class Pool:
         if not keys:
             return []
         hashes = key_hashes(keys)
-        with self.locked():
-            return self.index.committed(hashes).tolist()
+
+        def look_up() -> list[bool]:
+            with self.locked():
+                return self.index.committed(hashes).tolist()
+
+        return self._retried(look_up)
 
     def delete(self, key: bytes) -> bool:
         """Remove a committed object."""
-        with self.changing():
-            entry = self.index.find(key, key_hash(key))
-            if entry == NONE or self.tables.state[entry] != COMMITTED:
-                return False
-            self.allocator.free(entry)
-            return True
+
+        def delete() -> bool:
+            with self.changing():
+                entry = self.index.find(key, key_hash(key))
+                if entry == NONE or self.tables.state[entry] != COMMITTED:
+                    return False
+                self.allocator.free(entry)
+                return True
+
+        return self._retried(delete)
 
     def clear(self) -> int:
         """Remove every committed object; how many were removed."""
@@ -372,21 +437,32 @@ class Pool:
 
     def _entries_under(self, prefix: bytes) -> list[int]:
         """The committed entries whose key starts with `prefix` (the lock held)."""
-        committed = np.flatnonzero(self.tables.arrays.state == COMMITTED).tolist()
-        return [e for e in committed if self.tables.key_at(e).startswith(prefix)]
+        t = self.tables
+        committed = np.flatnonzero(t.arrays.state == COMMITTED).tolist()
+        if not all(t.sound(entry) for entry in committed):
+            raise Damaged("a committed entry fails its checks")
+        return [e for e in committed if t.key_at(e).startswith(prefix)]
 
     def keys(self, prefix: bytes) -> list[bytes]:
         """The keys of the committed objects under `prefix`."""
-        with self.locked():
-            return [self.tables.key_at(entry) for entry in self._entries_under(prefix)]
+
+        def listed() -> list[bytes]:
+            with self.locked():
+                return [self.tables.key_at(entry) for entry in self._entries_under(prefix)]
+
+        return self._retried(listed)
 
     def delete_prefix(self, prefix: bytes) -> int:
         """Remove every committed object whose key starts with `prefix`; how many."""
-        with self.changing():
-            doomed = self._entries_under(prefix)
-            for entry in doomed:
-                self.allocator.free(entry)
-            return len(doomed)
+
+        def delete() -> int:
+            with self.changing():
+                doomed = self._entries_under(prefix)
+                for entry in doomed:
+                    self.allocator.free(entry)
+                return len(doomed)
+
+        return self._retried(delete)
 
     def removed_since(self, cursor: int | None) -> Removals:
         """The key hashes the removal log holds from `cursor` on (None: from now); no
@@ -433,10 +509,16 @@ class Pool:
                 problems.append(f"objects is {t.get(OBJECTS)}, {committed} are committed")
             if t.get(USED) > self.geometry.capacity:
                 problems.append("used exceeds capacity")
-            for entry in live.tolist():
-                if self.index.find(t.key_at(entry), int(t.hash[entry])) != entry:
-                    problems.append(f"entry {entry} is not reachable through the index")
-                    break
+            unsound = [entry for entry in live.tolist() if not t.sound(entry)]
+            if unsound:
+                problems.append(f"{len(unsound)} entries fail their checks")
+            try:
+                for entry in sorted(set(live.tolist()) - set(unsound)):
+                    if self.index.find(t.key_at(entry), int(t.hash[entry])) != entry:
+                        problems.append(f"entry {entry} is not reachable through the index")
+                        break
+            except Damaged as exc:
+                problems.append(f"the index is damaged: {exc}")
             return problems
 
     def info(self) -> dict[str, int | str]:
@@ -449,6 +531,8 @@ class Pool:
             "index_overhead_bytes": g.overhead,
             "recoveries": self.tables.get(RECOVERIES),
             "corrupt": self.tables.get(CORRUPT),
+            "damaged": self.tables.get(DAMAGED),
+            "repairs": self.tables.get(REPAIRS),
         }
 
     def close(self) -> None:

@@ -4,22 +4,32 @@ A region is a header (8-byte magic, then uint64 words), an entry table (a
 struct of arrays, one element per entry), a hash index (bucket heads) and the
 data. Everything is fixed-width binary, so every process reads it the same way;
 a region of another version or geometry is refused, never reinterpreted.
+
+Every process of the node can write the region, so nothing read from it is trusted
+before it is checked: an entry in use is `sound` only if its fields are in range and
+its seal (a checksum of its fields, written with them) matches, and a link (a bucket
+head, a chain, the address and free lists) only names entries that exist. What fails
+a check raises `Damaged`, and the pool repairs itself (`maru.backends._pool.core`).
 """
 
 from __future__ import annotations
 
 import mmap
 import secrets
+import struct
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
+from maru.backends.base import MAX_KEY_BYTES
 from maru.errors import BackendError, ConfigError
 
 MAGIC = b"MARUPOOL"
-FORMAT_VERSION = 5
-"""5: a removal log in the header; 4: XXH3-64 key hashes and checksums; 3: a checksum
-field per entry; 2: 64-bit BLAKE2b key hashes (1: CRC-32 and length)."""
+FORMAT_VERSION = 6
+"""6: a seal per entry over its fields; 5: a removal log in the header; 4: XXH3-64 key
+hashes and checksums; 3: a checksum field per entry; 2: 64-bit BLAKE2b key hashes (1:
+CRC-32 and length)."""
 ALIGN = 64
 PAGE = 4096
 BYTES_PER_ENTRY = 64 * 1024
@@ -59,7 +69,9 @@ NO_LINK = 2**64 - 1
     RECOVERIES,
     CORRUPT,
     REMOVALS,
-) = range(1, 25)
+    DAMAGED,
+    REPAIRS,
+) = range(1, 27)
 SLOT_TOKENS = 64
 """Word index where the writer-slot tokens start (one word per slot)."""
 REMOVAL_LOG = SLOT_TOKENS + WRITER_SLOTS
@@ -79,8 +91,19 @@ ENTRY_FIELDS = (  # name, dtype: struct of arrays, each `entries` long
     ("gen", np.int64),
     ("writer", np.int64),
     ("check", np.uint64),
+    ("digest", np.uint64),
 )
+SEALED_FIELDS = ("state", "hash", "offset", "span", "length", "key_len", "gen", "writer", "check")
+"""What an entry's seal (its `digest` field, XXH3-64) covers: everything but the links
+and the use bit (which the index and the allocator rebuild)."""
+SEAL = struct.Struct("<qQqqqqqqQ")
 LINK_FIELDS = ("prev", "next", "chain", "hot")  # int32 each
+
+
+class Damaged(Exception):
+    """Something read from the region failed its check (a stray or killed writer, a
+    memory error): the pool rebuilds what it derives from the entry table, dropping
+    the entries that are not sound, and the operation is a miss."""
 
 
 def round_up(value: int, align: int) -> int:
@@ -162,6 +185,7 @@ class Arrays:
     gen: np.ndarray
     writer: np.ndarray
     check: np.ndarray
+    digest: np.ndarray
     prev: np.ndarray
     next: np.ndarray
     chain: np.ndarray
@@ -187,6 +211,7 @@ class Tables:
     gen: memoryview
     writer: memoryview
     check: memoryview
+    digest: memoryview
     prev: memoryview
     next: memoryview
     chain: memoryview
@@ -195,6 +220,7 @@ class Tables:
 
     def __init__(self, region: mmap.mmap, geometry: Geometry) -> None:
         g = geometry
+        self._entries, self._capacity = g.entries, g.capacity
         self.header = np.frombuffer(region, np.uint64, HEADER_BYTES // 8, 0)
         self.words = memoryview(region)[:HEADER_BYTES].cast("Q")
         """The header again, for single words."""
@@ -208,6 +234,7 @@ class Tables:
             self._view(name, np.frombuffer(region, dtype, g.entries, offset))
             offset += np.dtype(dtype).itemsize * g.entries
         self._view("buckets", np.frombuffer(region, np.int32, g.buckets, g.bucket_offset))
+        self._sealed = [getattr(self, name) for name in SEALED_FIELDS]
         self.data_view = memoryview(region)[g.data_offset : g.data_offset + g.capacity]
 
     def _view(self, name: str, array: np.ndarray) -> None:
@@ -223,8 +250,9 @@ class Tables:
         self.words[word] = int(value)
 
     def add(self, word: int, delta: int) -> None:
-        """Add to a header word (a counter)."""
-        self.words[word] += delta
+        """Add to a header word (a counter), modulo 2**64 (a damaged counter stays a
+        number)."""
+        self.words[word] = (self.words[word] + delta) & NO_LINK
 
     def link(self, word: int) -> int:
         """A header word that names an entry, or NONE (NO_LINK read as signed)."""
@@ -233,6 +261,42 @@ class Tables:
     def set_link(self, word: int, entry: int) -> None:
         """Make a header word name `entry` (or nothing, for NONE)."""
         self.links[word] = entry
+
+    def seal(self, entry: int) -> None:
+        """Write the seal of an entry's fields (after every change to them)."""
+        self.digest[entry] = self._seal(entry)
+
+    def _seal(self, entry: int) -> int:
+        return xxhash.xxh3_64_intdigest(SEAL.pack(*(field[entry] for field in self._sealed)))
+
+    def sound(self, entry: int) -> bool:
+        """Is this an entry of the table, in use, with fields in range and its seal
+        matching them?"""
+        if not 0 <= entry < self._entries:
+            return False
+        offset, span, length, key_len = (
+            self.offset[entry],
+            self.span[entry],
+            self.length[entry],
+            self.key_len[entry],
+        )
+        return (
+            self.state[entry] in (PENDING, COMMITTED)
+            and offset >= 0
+            and offset % ALIGN == 0
+            and ALIGN <= span <= self._capacity - offset
+            and span % ALIGN == 0
+            and 0 < key_len <= MAX_KEY_BYTES
+            and 0 <= length <= span - key_len
+            and 0 <= self.writer[entry] >> 48 < WRITER_SLOTS
+            and self.digest[entry] == self._seal(entry)
+        )
+
+    def entry(self, entry: int) -> int:
+        """A link read from the region, checked: an entry of the table, or NONE."""
+        if not NONE <= entry < self._entries:
+            raise Damaged(f"a link names entry {entry}, the table has {self._entries}")
+        return entry
 
     def key_at(self, entry: int) -> bytes:
         """The key stored at the start of an entry's span."""
@@ -261,6 +325,7 @@ class Tables:
 
     def release(self) -> None:
         """Drop every view, so the mapping can be closed."""
+        self._sealed.clear()
         self.data_view.release()
         self.words.release()
         self.links.release()
