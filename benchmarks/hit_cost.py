@@ -11,6 +11,9 @@ on the same prompts ending mid-chunk, with a random Llama whose KV cache is larg
    as vLLM's own), the same bytes.
 
 So the two hits compare like with like: their tokens are equal on a correct system.
+Every object is stored with its XXH3 checksum; two more new engines load them with
+verification off and on (`shm.checksum`), so the checksum's cost per hit is measured
+inside the engine, as a share of the hit's time to first token.
 
 maru's extra time (median maru hit minus median own hit) is set against a
 single-threaded memcpy of the bytes a hit loads, measured in the same run just
@@ -76,14 +79,23 @@ def main() -> int:
     model = build_tiny_llama(model_cache() / "bench-llama-kv-8x512", **MODEL)
     rng = np.random.default_rng()
     pool = f"bench-hit-{rng.integers(1 << 30)}"
-    config = maru.load_config(backend="shm", capacity="2GiB", shm={"name": pool})
+    config, unverified = (
+        maru.load_config(backend="shm", capacity="2GiB", shm={"name": pool, "checksum": on})
+        for on in (True, False)
+    )
+    engines = {
+        "own_hit": config,
+        "maru_hit": config,
+        "maru_hit_unverified": unverified,
+        "maru_hit_verified": config,
+    }
     prompts = [
         rng.integers(1, MODEL["vocab"], args.prompt_tokens).tolist() for _ in range(args.prompts)
     ]
     log = model_cache().parent / "bench-engines.log"
     runs, memcpy = {}, 0.0
     try:
-        for name in ("own_hit", "maru_hit"):
+        for name, engine_config in engines.items():
             if name == "maru_hit":
                 memcpy = memcpy_gb_s(args.prompt_tokens * BYTES_PER_TOKEN)
             print(f"engine {name} ...", file=sys.stderr, flush=True)
@@ -93,7 +105,7 @@ def main() -> int:
                 run = run_engine(
                     model,
                     [warm_up] + [p for p in prompts for _ in range(1 + twice)],
-                    kv_transfer_config=connector_config(config),
+                    kv_transfer_config=connector_config(engine_config),
                     max_tokens=4,
                     kv_cache_bytes=2 << 30,
                     log_path=log,
@@ -130,8 +142,15 @@ def main() -> int:
         "extra_ms": extra * 1e3,
         "memcpy_of_loaded_bytes_ms": memcpy_s * 1e3,
         "extra_vs_memcpy": memcpy_s / extra if extra > 0 else float("inf"),
-        "same_tokens_as_own_hit": hit["token_ids"] == own["token_ids"],
+        "same_tokens_as_own_hit": all(
+            runs[name]["token_ids"] == own["token_ids"] for name in engines if name != "own_hit"
+        ),
     }
+    checked, unchecked = (
+        statistics.median(runs[f"maru_hit_{name}"]["ttft_s"]) for name in ("verified", "unverified")
+    )
+    report["checksum_ms_per_hit"] = (checked - unchecked) * 1e3
+    report["checksum_share_of_hit"] = (checked - unchecked) / checked
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     median, first = report["median_ttft_ms"], report["first_hit_ttft_ms"]
@@ -145,6 +164,9 @@ def main() -> int:
         f"maru's extra: {extra * 1e3:.1f} ms for {report['loaded_bytes_per_hit'] / 1e6:.1f} MB; "
         f"a memcpy of them: {memcpy_s * 1e3:.1f} ms ({memcpy:.1f} GB/s): "
         f"{report['extra_vs_memcpy']:.2f}x memcpy\n"
+        f"checksum verification: hits {unchecked * 1e3:.1f} ms unverified, {checked * 1e3:.1f} ms "
+        f"verified: {report['checksum_ms_per_hit']:+.1f} ms = "
+        f"{report['checksum_share_of_hit'] * 100:+.1f}% of a verified hit\n"
         f"same tokens as vLLM's own hit: {report['same_tokens_as_own_hit']}\n"
         f"written to {args.output}"
     )
