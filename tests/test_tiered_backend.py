@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import maru
+from maru.backends._pool.index import key_hash
 from maru.backends.base import ReadView
 from maru.backends.shm import shm_path
 from maru.testing import KIB, BackendContract, EvictionContract, payload
@@ -262,13 +263,13 @@ def test_a_restarted_node_with_an_empty_pool_hits_from_disk_at_once(shm_disk) ->
     assert again.tiers[0].stats().objects == 8
 
 
-def test_a_copy_of_an_object_that_changed_while_copied_is_removed_again(
+def test_a_copy_of_an_object_that_changed_while_copied_is_never_stored(
     shm_disk, monkeypatch
 ) -> None:
     store = shm_disk()
     shm, disk = store.tiers
-    real_view = shm.view
-    monkeypatch.setattr(shm, "view", lambda key: ReadView(real_view(key).data, valid=lambda: False))
+    real_peek = shm.peek
+    monkeypatch.setattr(shm, "peek", lambda key: ReadView(real_peek(key).data, lambda: False))
     assert store.put(b"k", payload("k", 10 * KIB))
     assert store.flush(10)
     assert disk.contains([b"k"]) == [False]
@@ -278,7 +279,7 @@ def test_a_copy_of_an_object_that_changed_while_copied_is_removed_again(
 def test_a_copy_of_an_object_gone_before_its_turn_is_counted_lost(shm_disk, monkeypatch) -> None:
     store = shm_disk()
     shm, disk = store.tiers
-    monkeypatch.setattr(shm, "view", lambda key: None)
+    monkeypatch.setattr(shm, "peek", lambda key: None)
     store.put(b"k", b"v")
     assert store.flush(10)
     assert disk.contains([b"k"]) == [False]
@@ -329,3 +330,17 @@ def test_with_the_first_tier_failing_the_next_decides_and_copies_keep_the_bytes(
     data[:] = bytes(len(data))
     assert store.flush(10)
     assert disk.get(b"k") == payload("k", 5000) and redis.get(b"k") == payload("k", 5000)
+
+
+def test_copies_into_lower_tiers_are_not_uses_of_the_object(shm_disk) -> None:
+    """A copy read is no hit, and gives no second chance against eviction."""
+    store = shm_disk()
+    shm = store.tiers[0]
+    for i in range(5):
+        store.put(f"k{i}", payload(f"k{i}", KIB))
+    assert store.flush(10)
+    assert store.info()["tiers"]["disk"]["copies"]["written"] == 5
+    assert shm.stats().hits == 0
+    pool = shm.pool
+    entries = [pool.index.find(f"k{i}".encode(), key_hash(f"k{i}".encode())) for i in range(5)]
+    assert [pool.tables.hot[e] for e in entries] == [0] * 5

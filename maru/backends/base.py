@@ -289,6 +289,11 @@ class Backend(ABC):
         """The object's bytes without a copy where `zero_copy`; None on a miss."""
         return self._view(self._open_key(key))
 
+    def peek(self, key: Key) -> ReadView | None:
+        """`view`, not counted as a use of the object (no hit or miss, no recency): what
+        copies of an object into another tier read. The default is `view`."""
+        return self._peek(self._open_key(key))
+
     def host_memory(self) -> memoryview | None:
         """The memory views and reservations point into (for page-locking it with a
         device runtime once), or None where objects go through private copies."""
@@ -397,6 +402,10 @@ class Backend(ABC):
         """Default: a private copy (backends with `zero_copy` read in place)."""
         data = self._get(key)
         return None if data is None else ReadView(memoryview(data).toreadonly())
+
+    def _peek(self, key: bytes) -> ReadView | None:
+        """Default: `_view` (backends that count uses override it)."""
+        return self._view(key)
 
     def copy_out(self, key: bytes, data: Any, out: memoryview) -> int:
         """Copy an object into `out`, or raise the too-small error and copy nothing."""

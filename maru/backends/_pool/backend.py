@@ -101,6 +101,9 @@ class PoolBackend(Backend):
     def _view(self, key: bytes) -> ReadView | None:
         return self.pool.view(key, self.checksum)
 
+    def _peek(self, key: bytes) -> ReadView | None:
+        return self.pool.view(key, self.checksum, counted=False)
+
     def host_memory(self) -> memoryview:
         return self.pool.tables.data_view
 

@@ -318,15 +318,20 @@ class Pool:
             return None
         return out
 
-    def _find_committed(self, key: bytes) -> tuple[int, int, int, int, int] | None:
+    def _find_committed(
+        self, key: bytes, counted: bool = True
+    ) -> tuple[int, int, int, int, int] | None:
         """(entry, data start, size, generation, stored checksum) of the committed object,
-        marked used; None, counted as a miss, if there is none (caller holds the lock)."""
+        marked used; None, counted as a miss, if there is none (caller holds the lock).
+        Not `counted`: neither marked used nor a miss."""
         t = self.tables
         entry = self.index.find(key, key_hash(key))
         if entry == NONE or t.state[entry] != COMMITTED:
-            t.add(MISSES, 1)
+            if counted:
+                t.add(MISSES, 1)
             return None
-        t.hot[entry] = 1
+        if counted:
+            t.hot[entry] = 1
         start = int(t.offset[entry] + t.key_len[entry])
         return entry, start, int(t.length[entry]), int(t.gen[entry]), int(t.check[entry])
 
@@ -355,12 +360,13 @@ class Pool:
             t.add(HITS, 1)
         return out, entry, generation, check
 
-    def view(self, key: bytes, verify: bool = False) -> ReadView | None:
+    def view(self, key: bytes, verify: bool = False, counted: bool = True) -> ReadView | None:
         """The committed object's bytes in place, or None on a miss. Counted as a hit
         now; `valid()` takes that back (a miss) if the object was freed meanwhile, or,
-        with `verify`, if its bytes do not match its checksum (it is then removed)."""
+        with `verify`, if its bytes do not match its checksum (it is then removed). Not
+        `counted` (a copy into another tier): no hit, no miss, no second chance."""
         t = self.tables
-        found = self._missed_if_damaged(lambda: self._found_for_view(key))
+        found = self._missed_if_damaged(lambda: self._found_for_view(key, counted))
         if found is None:
             return None
         entry, start, size, generation, check = found
@@ -369,22 +375,23 @@ class Pool:
 
         def valid() -> bool:
             if verify and not intact(check, data):
-                self._discard_corrupt(entry, generation)
+                self._discard_corrupt(entry, generation, counted)
                 return False
             with self.locked():
                 if t.gen[entry] == generation:
                     return True
-                t.add(HITS, -1)
-                t.add(MISSES, 1)
+                if counted:
+                    t.add(HITS, -1)
+                    t.add(MISSES, 1)
                 return False
 
         return ReadView(data, valid)
 
-    def _found_for_view(self, key: bytes) -> tuple[int, int, int, int, int] | None:
-        """`_find_committed` in a section of its own, counted as a hit."""
+    def _found_for_view(self, key: bytes, counted: bool) -> tuple[int, int, int, int, int] | None:
+        """`_find_committed` in a section of its own, counted as a hit if `counted`."""
         with self.locked():
-            found = self._find_committed(key)
-            if found is not None:
+            found = self._find_committed(key, counted)
+            if found is not None and counted:
                 self.tables.add(HITS, 1)
             return found
 
@@ -396,13 +403,15 @@ class Pool:
         except Damaged:
             return None
 
-    def _discard_corrupt(self, entry: int, generation: int) -> None:
-        """Count a load that failed its checksum as a miss, and free the object."""
+    def _discard_corrupt(self, entry: int, generation: int, counted: bool = True) -> None:
+        """Count a load that failed its checksum (as a miss, if it was `counted` as a
+        hit), and free the object."""
         t = self.tables
         with contextlib.suppress(Damaged), self.changing():
             t.add(CORRUPT, 1)
-            t.add(HITS, -1)
-            t.add(MISSES, 1)
+            if counted:
+                t.add(HITS, -1)
+                t.add(MISSES, 1)
             if t.gen[entry] == generation:
                 self.allocator.free(entry)
 

@@ -4,7 +4,8 @@ A save lands in the first tier; the copies into the tiers below (a disk, a netwo
 store) are queued here, so the caller never waits for them. The queue is bounded: when
 the tier cannot keep up, a copy is dropped (counted) rather than the caller blocked.
 A queued copy names its key and reads the object from the first tier when its turn
-comes, so queueing copies nothing; a copy that carries its own bytes (a promotion of an
+comes (`Backend.peek`: not a hit, and no second chance against eviction), so queueing
+copies nothing; a copy that carries its own bytes (a promotion of an
 object read from below, or a save the first tier could not take) holds them until
 written. An object gone from the first tier before its turn is lost (counted), and so
 is one that changed while it was being copied (its memory reused): the copy goes
@@ -125,7 +126,7 @@ class Copier:
         """Copy one object; what to count."""
         if data is not None:
             return "written" if self.target.put(key, data) else "present"
-        view = self.source.view(key)
+        view = self.source.peek(key)
         if view is None:
             return "lost"
         try:
