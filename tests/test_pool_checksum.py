@@ -84,3 +84,10 @@ def test_stores_with_and_without_checksums_share_a_pool(open_pool, writes, reads
     for size in SIZES:
         assert writer.put(f"k{size}", payload("k", size))
         assert reader.get(f"k{size}") == payload("k", size)
+
+
+def test_checksums_are_on_by_default() -> None:
+    """A pool opened without saying so writes checksums and verifies loads."""
+    assert maru.load_config().backend_options("shm").checksum is True
+    cxl = maru.load_config(cxl={"mode": "emulated", "device": "/x"}).backend_options("cxl")
+    assert cxl.checksum is True

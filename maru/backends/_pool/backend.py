@@ -19,9 +19,10 @@ class PoolOptions(Options):
     """What every pool backend's section has (shm and cxl add where the pool lives)."""
 
     checksum: bool = Field(
-        False,
-        description="write an XXH3-64 checksum with every object and verify every load (a corrupt "
-        "object is a miss); makes a load 16-71% slower",
+        True,
+        description="write an XXH3-64 checksum with every object and verify every load (a "
+        "corrupt object is a miss); about 6% of a hit's time to first token; off: damaged "
+        "object bytes go undetected",
     )
     prefault: bool = Field(
         False,

@@ -2,9 +2,10 @@
 
 Whatever corrupts an object after its commit (a pool bug, a stray writer, a bad
 device) then becomes a miss instead of wrong KV. The checksum is XXH3-64, which
-runs near memory speed; still, it reads every byte once more, which costs more than
-a tenth of a load's copy (see README, "The shared pool"), so it is an option, off
-by default.
+runs near memory speed: it reads every byte once more, which costs a bare load a lot
+(+71% at 4 MiB) but a hit inside vLLM about 6% of its time to first token (README,
+"The shared pool"), under the tenth that makes it worth having by default: it is on
+unless `checksum: false`.
 """
 
 from __future__ import annotations
