@@ -4,11 +4,12 @@ One mapped region holds everything: a header, an entry table, a hash index and
 the data. There is no server: processes coordinate through the region and
 `fcntl` locks on its file. The modules, one concern each:
 
-- `region`: the format (magic, version, header words, geometry, table views);
+- `region`: the format (magic, version, header words, geometry, table views) and
+  the checks of what is read from it (entry seals, links);
 - `locks`: the pool mutex and writer slots (liveness of writers), fork handling;
 - `index`: key hashes and bucket chains;
 - `allocator`: allocation with a clock hand, eviction, freeing;
-- `checksum`: the optional per-object checksum;
+- `checksum`: the per-object checksum (on unless `checksum: false`);
 - `core`: `Pool`, which composes them into reserve/commit/read/contains/...;
 - `attach`: creating, mapping and sharing a region within a process;
 - `memory`: backing, population and huge pages of a mapping;
