@@ -43,8 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import Field
-
 from maru.backends._disk.directory import (
     FANOUT,
     MARKER,
@@ -75,40 +73,13 @@ from maru.backends._disk.objects import (
     unlink_if_same,
     write_all,
 )
+from maru.backends._disk.options import DiskOptions, default_path
 from maru.backends.base import Backend, ReadView, StoreStats
-from maru.config import Options, Size
 from maru.errors import BackendError, ObjectTooLargeError
 from maru.hookspecs import hookimpl
 
 FULL_DISK_RETRIES = 4
 """Times a write that found the filesystem full evicts and tries again."""
-
-
-def default_path() -> Path:
-    """`$XDG_CACHE_HOME/maru/disk`, or `~/.cache/maru/disk`."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "maru" / "disk"
-
-
-class DiskOptions(Options):
-    """The `disk:` config section."""
-
-    path: Path = Field(
-        default_factory=default_path,
-        description="directory of the store, on a local filesystem; every process on the "
-        "node that names it shares its objects",
-    )
-    capacity: Size | None = Field(
-        None,
-        description="bytes of object files the store may hold (default: the top-level "
-        "capacity); in a tier below memory, typically many times the memory's",
-    )
-    scan_interval: float = Field(
-        5.0,
-        gt=0,
-        le=3600,
-        description="seconds a process trusts its index of the directory before it scans "
-        "it again to learn other processes' writes",
-    )
 
 
 @dataclass

@@ -1,1 +1,1 @@
-"""The disk backend's parts: object files, the store's directory, the LRU index."""
+"""The disk backend's parts: object files, the store's directory, the LRU index, its options."""

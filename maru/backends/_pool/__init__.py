@@ -13,6 +13,7 @@ the data. There is no server: processes coordinate through the region and
 - `core`: `Pool`, which composes them into reserve/commit/read/contains/...;
 - `attach`: creating, mapping and sharing a region within a process;
 - `memory`: backing, population and huge pages of a mapping;
+- `audit`: the derived state recomputed and compared, for tests and tools;
 - `backend`: `PoolBackend`, the Backend contract over a Pool.
 
 The package is private to `maru/backends/`: the shm and cxl backends use only what

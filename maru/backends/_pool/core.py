@@ -31,6 +31,7 @@ from typing import TypeVar
 import numpy as np
 
 from maru.backends._pool.allocator import Allocator
+from maru.backends._pool.audit import audit
 from maru.backends._pool.checksum import NO_CHECKSUM, intact
 from maru.backends._pool.checksum import checksum as object_checksum
 from maru.backends._pool.index import Index, key_hash, key_hashes
@@ -49,7 +50,6 @@ from maru.backends._pool.region import (
     DAMAGED,
     DIRTY,
     EVICTIONS,
-    FREE,
     HITS,
     MISSES,
     NONE,
@@ -501,34 +501,10 @@ class Pool:
             )
 
     def audit(self) -> list[str]:
-        """Problems found by recomputing the derived state from the entry table."""
-        t, a = self.tables, self.tables.arrays
+        """Problems found by recomputing the derived state from the entry table (tests
+        and tools; `maru.backends._pool.audit`)."""
         with self.locked():
-            live = np.flatnonzero(a.state != FREE)
-            ordered = live[np.argsort(a.offset[live])]
-            ends = (a.offset[ordered] + a.span[ordered])[:-1]
-            problems = []
-            if (a.offset[ordered[1:]] < ends).any():
-                problems.append("objects overlap")
-            held = int(a.span[live].sum())
-            if t.get(USED) != held:
-                problems.append(f"used is {t.get(USED)}, entries hold {held}")
-            committed = int((a.state == COMMITTED).sum())
-            if t.get(OBJECTS) != committed:
-                problems.append(f"objects is {t.get(OBJECTS)}, {committed} are committed")
-            if t.get(USED) > self.geometry.capacity:
-                problems.append("used exceeds capacity")
-            unsound = [entry for entry in live.tolist() if not t.sound(entry)]
-            if unsound:
-                problems.append(f"{len(unsound)} entries fail their checks")
-            try:
-                for entry in sorted(set(live.tolist()) - set(unsound)):
-                    if self.index.find(t.key_at(entry), int(t.hash[entry])) != entry:
-                        problems.append(f"entry {entry} is not reachable through the index")
-                        break
-            except Damaged as exc:
-                problems.append(f"the index is damaged: {exc}")
-            return problems
+            return audit(self.tables, self.index, self.geometry.capacity)
 
     def info(self) -> dict[str, int | str]:
         """Geometry and counters beyond StoreStats, for `maru pool stats`."""
