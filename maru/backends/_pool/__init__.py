@@ -7,6 +7,7 @@ the data. There is no server: processes coordinate through the region and
 - `region`: the format (magic, version, header words, geometry, table views) and
   the checks of what is read from it (entry seals, links);
 - `locks`: the pool mutex and writer slots (liveness of writers), fork handling;
+- `section`: critical sections: the mutex held, half-done changes and damage repaired;
 - `index`: key hashes and bucket chains;
 - `allocator`: allocation with a clock hand, eviction, freeing;
 - `checksum`: the per-object checksum (on unless `checksum: false`);

@@ -48,7 +48,6 @@ from maru.backends._pool.region import (
     COMMITTED,
     CORRUPT,
     DAMAGED,
-    DIRTY,
     EVICTIONS,
     HITS,
     MISSES,
@@ -67,6 +66,7 @@ from maru.backends._pool.region import (
     Tables,
     round_up,
 )
+from maru.backends._pool.section import Section
 from maru.backends.base import ReadView, Removals, StoreStats
 from maru.errors import BackendError, ObjectTooLargeError
 
@@ -77,38 +77,6 @@ SMALL_COPY = 1024 * 1024
 Handle = tuple[int, int]
 """A reservation: (entry, generation)."""
 _T = TypeVar("_T")
-
-
-class Section:
-    """The pool mutex held around a critical section (a class, not a generator: it is
-    taken twice per put or get). A changing section marks the pool dirty until it
-    completes; any section first repairs what an earlier one left half done."""
-
-    __slots__ = ("_changing", "_pool")
-
-    def __init__(self, pool: Pool, changing: bool) -> None:
-        self._pool, self._changing = pool, changing
-
-    def __enter__(self) -> None:
-        pool = self._pool
-        pool._mutex.__enter__()
-        try:
-            pool._recover()
-            if self._changing:
-                pool.tables.set(DIRTY, 1)
-        except BaseException:
-            pool._mutex.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
-        pool = self._pool
-        try:
-            if kind is not None and issubclass(kind, Damaged):
-                pool._repair()
-            elif self._changing and kind is None:
-                pool.tables.set(DIRTY, 0)
-        finally:
-            pool._mutex.__exit__(None, None, None)
 
 
 class Pool:
@@ -136,7 +104,8 @@ class Pool:
         self.writers = WriterSlots(self._lock_fd, self.tables, label)
         self.allocator = Allocator(self.tables, self.index, geometry, self.writers.alive)
         self._mutex = Mutex(self._lock_fd)
-        self._reading, self._changing = Section(self, changing=False), Section(self, True)
+        self._reading = Section(self._mutex, self.tables, self._rebuild, changing=False)
+        self._changing = Section(self._mutex, self.tables, self._rebuild, changing=True)
         reset_after_fork(self)
 
     def after_fork(self) -> None:
@@ -168,21 +137,6 @@ class Pool:
         """Hold the pool lock to change it. The pool stays marked dirty unless the change
         completes: a holder that dies or raises midway leaves the rebuild to the next."""
         return self._changing
-
-    def _recover(self) -> None:
-        """Rebuild if the last change was left half done (caller holds the mutex)."""
-        if self.tables.get(DIRTY):
-            self._rebuild()
-            self.tables.add(RECOVERIES, 1)
-            self.tables.set(DIRTY, 0)
-
-    def _repair(self) -> None:
-        """Rebuild after damage was found (caller holds the mutex); marked dirty
-        meanwhile, so that a repair cut short is done again by the next holder."""
-        self.tables.set(DIRTY, 1)
-        self._rebuild()
-        self.tables.add(REPAIRS, 1)
-        self.tables.set(DIRTY, 0)
 
     def _rebuild(self) -> None:
         """Derive index, address list, free list and counters from the entry table."""
