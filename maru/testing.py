@@ -260,6 +260,18 @@ class BackendContract:
         assert view.data.readonly
         assert store.view(b"missing") is None
 
+    def test_a_view_fed_to_its_hasher_is_valid(self, store: Backend) -> None:
+        """A reader that hashes what it copies (`ReadView.hasher`) gets the same answer
+        from `valid` as one that does not."""
+        data = payload("h", 40 * KIB)
+        store.put(b"h", data)
+        view = store.view("h")
+        hasher = view.hasher()
+        if hasher is not None:
+            hasher.update(view.data[:1000])
+            hasher.update(view.data[1000:])
+        assert view.valid(hasher)
+
     def test_a_view_stays_valid_while_its_object_is_stored(self, store: Backend) -> None:
         size = self.capacity // 6
         store.put(b"old", payload("old", size))

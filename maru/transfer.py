@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from maru.backends.base import Hashing
 from maru.errors import MaruError
 from maru.layouts import LayoutAdapter
 from maru.log import get_logger
@@ -135,13 +136,21 @@ def queue_for(device: torch.device) -> CopyQueue:
 def host_tensor(buffer: memoryview) -> torch.Tensor:
     """A flat int8 tensor over `buffer` without a copy (read-only buffers included:
     the data path never writes into what it loads from)."""
+    if not len(buffer):
+        return torch.empty(0, dtype=torch.int8)
+    return torch.frombuffer(buffer, dtype=torch.int8)
+
+
+def _spend_torch_read_only_warning() -> None:
+    """torch warns once per process that a tensor over a read-only buffer is read-only;
+    have it warn here, silenced, so `host_tensor` needs no warning filter of its own
+    on every load (setting one up costs more than the tensor)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return (
-            torch.frombuffer(buffer, dtype=torch.int8)
-            if len(buffer)
-            else torch.empty(0, dtype=torch.int8)
-        )
+        torch.frombuffer(memoryview(bytes(1)), dtype=torch.int8)
+
+
+_spend_torch_read_only_warning()
 
 
 def pin(memory: memoryview) -> bool:
@@ -160,13 +169,11 @@ class Blocks:
     """One chunk's block ids, with what each device needs to address them."""
 
     ids: list[int]
-    cpu: torch.Tensor = field(init=False)
     runs: list[tuple[int, int, int]] = field(init=False)
     """(first block, position in the chunk, length) of every run of consecutive ids."""
     _on: dict[torch.device, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.cpu = torch.tensor(self.ids, dtype=torch.long)
         self.runs = []
         for position, block in enumerate(self.ids):
             if self.runs and self.runs[-1][0] + self.runs[-1][2] == block:
@@ -174,6 +181,12 @@ class Blocks:
                 self.runs[-1] = (start, at, length + 1)
             else:
                 self.runs.append((block, position, 1))
+
+    @cached_property
+    def cpu(self) -> torch.Tensor:
+        """The ids as an index tensor (made only where a device copy needs one: the
+        CPU's copies use `runs`)."""
+        return torch.tensor(self.ids, dtype=torch.long)
 
     def on(self, device: torch.device) -> torch.Tensor:
         """The ids as an index tensor on `device` (made once)."""
@@ -212,6 +225,9 @@ class ChunkCopy:
     """How many blocks the object holds (the payload's row count per segment)."""
     first: int = 0
     """Row of the object that goes into blocks.ids[0] (a load may skip blocks)."""
+    hasher: Hashing | None = None
+    """Fed the whole payload, in order, as the CPU loads it (every segment's rows, also
+    those a load skips), so the object's checksum needs no second pass over memory."""
 
     @cached_property
     def host(self) -> np.ndarray:
@@ -304,16 +320,22 @@ class DataPath:
         """One layer of a chunk between the cache and its payload, each run of consecutive
         blocks one slice copy per segment, in the calling thread: numpy, whose slices
         cost a fraction of a microsecond (torch's cost several, and its copies split
-        across intra-op threads that stall when another thread or process holds a core)."""
+        across intra-op threads that stall when another thread or process holds a core).
+        A load feeds each segment's rows to the chunk's hasher just after copying them,
+        while they are in this core's caches."""
         position = chunk.stored_blocks * self._bytes_before[name]
+        hasher = chunk.hasher if load else None
         for segment in self._host_layers[name]:
             run = segment.shape[1]
-            stored = chunk.host[position : position + chunk.stored_blocks * run].reshape(-1, run)
+            payload = chunk.host[position : position + chunk.stored_blocks * run]
+            stored = payload.reshape(-1, run)
             position += chunk.stored_blocks * run
             for block, at, length in chunk.blocks.runs:
                 rows = stored[chunk.first + at : chunk.first + at + length]
                 cache = segment[block : block + length]
                 np.copyto(*((cache, rows) if load else (rows, cache)))
+            if hasher is not None:
+                hasher.update(payload)
 
     # saves
 

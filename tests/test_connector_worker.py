@@ -8,12 +8,15 @@ import pytest
 import torch
 
 import maru
+from maru.backends._pool import checksum as checksums
+from maru.backends.shm import shm_path
 from maru.connector import MaruKVConnector
 from maru.transfer import DataPath
 from maru.vllm.keys import HEADER_BYTES, rank_key
 from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruConnectorMetadata
 from tests.conftest import stall_reservations, unique_name
 from tests.copy_queues import DeferredQueue, FailingQueue
+from tests.test_pool_checksum import corrupt
 from tests.vllm_harness import make_kv_cache_config, make_vllm_config
 
 NB, LAYERS = 40, 3
@@ -507,6 +510,35 @@ def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model, p
     assert failed == {20, 21}, "exactly the recycled chunk's blocks are recomputed"
     assert same_blocks(source, [3, 7], target, [11, 12])
     assert reader.get_kv_connector_stats().data["loads"] == 1
+
+
+def test_a_cpu_load_checks_the_checksum_of_the_bytes_it_copied(
+    tiny_model, pool_names, monkeypatch
+) -> None:
+    """From a checksummed pool, each object is hashed as it is copied, never read again
+    for its check, and an object corrupted in the pool fails its load alone."""
+    name = pool_names()
+    shm = {"backend": "shm", "capacity": "8MiB", "shm": {"name": name}}
+    source, target = kv_caches(1), kv_caches(None)
+    run_step(
+        worker(tiny_model, "unused", source, settings=shm),
+        MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7]), ChunkTransfer(b"k1", [1, 2])]),
+    )
+    store = maru.open_store(**shm)
+    corrupt(store, shm_path(name), rank_key(b"k1", 0))
+    reader = worker(tiny_model, "unused", target, settings=shm)
+    hashed_whole = []
+    monkeypatch.setattr(checksums, "checksum", lambda data: hashed_whole.append(data))
+    failed = run_step(
+        reader,
+        MaruConnectorMetadata(
+            loads=[ChunkTransfer(b"k0", [11, 12]), ChunkTransfer(b"k1", [20, 21])]
+        ),
+    )
+    assert failed == {20, 21}, "exactly the corrupt chunk's blocks are recomputed"
+    assert same_blocks(source, [3, 7], target, [11, 12])
+    assert hashed_whole == [], "no object was hashed again after its copy"
+    assert store.pool.info()["corrupt"] == 1
 
 
 def test_a_cache_on_an_unsupported_device_disables_the_worker_once(

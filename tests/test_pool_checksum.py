@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import maru
+from maru.backends._pool import checksum as checksums
 from maru.backends._pool.index import key_hash
 from maru.backends.shm import shm_path
 from maru.testing import payload
@@ -65,6 +66,51 @@ def test_a_corrupted_object_is_a_miss_and_is_removed(open_pool, size) -> None:
     assert store.put(b"k", data), "the corrupt object made room for a good one"
     assert store.get(b"k") == data
     assert store.pool.audit() == []
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_view_checks_what_its_reader_hashed_without_hashing_again(
+    open_pool, size, monkeypatch
+) -> None:
+    """A reader that fed the view's hasher all the bytes it copied is answered from that
+    digest; bytes corrupted before the reader read them fail it, and the object goes."""
+    opener, path = open_pool
+    store = opener(checksum=True)
+    for key in ("good", "bad"):
+        assert store.put(key, payload(key, size))
+    corrupt(store, path, b"bad")
+    views = {key: store.view(key) for key in ("good", "bad")}
+    hashers = {key: view.hasher() for key, view in views.items()}
+    for key, view in views.items():
+        hashers[key].update(view.data)
+    hashed_again = []
+    monkeypatch.setattr(checksums, "checksum", lambda data: hashed_again.append(data))
+    assert views["good"].valid(hashers["good"])
+    assert not views["bad"].valid(hashers["bad"])
+    assert hashed_again == []
+    monkeypatch.undo()
+    assert store.get(b"bad") is None and store.pool.info()["corrupt"] == 1
+    assert store.get(b"good") == payload("good", size)
+
+
+def test_a_view_hashes_again_what_its_reader_did_not_hash_whole(open_pool) -> None:
+    opener, path = open_pool
+    store = opener(checksum=True)
+    assert store.put(b"k", payload("k", SIZES[1]))
+    corrupt(store, path, b"k")
+    view = store.view(b"k")
+    hasher = view.hasher()
+    hasher.update(view.data[: len(view.data) // 4])  # the corrupt byte is past these
+    assert not view.valid(hasher)
+    assert store.pool.info()["corrupt"] == 1
+
+
+def test_a_view_without_checksums_has_no_hasher(open_pool) -> None:
+    opener, _ = open_pool
+    writer, reader = opener(checksum=False), opener(checksum=True)
+    assert writer.put(b"k", payload("k", SIZES[0]))
+    assert writer.view(b"k").hasher() is None, "the store verifies nothing"
+    assert reader.view(b"k").hasher() is None, "the object was stored without a checksum"
 
 
 @pytest.mark.parametrize("size", SIZES)

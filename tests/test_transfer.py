@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from maru.backends._pool.checksum import Hasher, checksum
 from maru.layouts import recognise
 from maru.transfer import (
     Blocks,
@@ -77,6 +78,22 @@ def test_a_load_can_skip_the_first_blocks_of_a_chunk(device: str) -> None:
     for name, tensor in target.items():
         assert torch.equal(page(tensor, 7), page(source[name], 3))
         assert torch.equal(page(tensor, 11), page(source[name], 4))
+
+
+@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize(("ids", "first"), [([7, 8, 9], 0), ([11], 1)])
+def test_a_cpu_load_feeds_its_hasher_the_whole_payload_in_order(
+    row: str, ids: list[int], first: int
+) -> None:
+    """What the load hashed is the payload's checksum, also where it loads only some of
+    the chunk's blocks: the store's check needs no second pass over the bytes."""
+    source, target = caches(row, 1, "cpu"), caches(row, 100, "cpu")
+    payload = save_chunk(DataPath(recognise(source, NB, BUILTINS)), [2, 3, 4])
+    hasher = Hasher()
+    loader = DataPath(recognise(target, NB, BUILTINS))
+    assert loader.load([ChunkCopy(Blocks(ids), payload, 3, first, hasher)]) == set()
+    assert hasher.fed == payload.numel()
+    assert hasher.checksum() == checksum(memoryview(payload.numpy()))
 
 
 def test_loads_complete_layer_by_layer() -> None:

@@ -54,7 +54,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
 import xxhash
 from pydantic import BaseModel
@@ -151,23 +151,47 @@ def _tensor_as_numpy(tensor: Any) -> Any:
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
+class Hashing(Protocol):
+    """Takes the bytes a reader copies, in order (`ReadView.hasher`)."""
+
+    def update(self, data: Any) -> None: ...
+
+
 class ReadView:
     """A committed object's bytes, read in place or from a private copy.
 
     Bytes read in place count only if `valid()` is True after reading them: the
-    object may have been evicted, and its memory reused, meanwhile.
+    object may have been evicted, and its memory reused, meanwhile. Where the store
+    checks what is read against a checksum, `valid()` hashes `data` again; a reader
+    that copies the bytes can feed them, in order, to `hasher()` as it copies them
+    (while they are in its CPU's caches) and hand that to `valid` instead.
     """
 
-    __slots__ = ("_valid", "data")
+    __slots__ = ("_hasher", "_valid", "data")
 
-    def __init__(self, data: memoryview, valid: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        data: memoryview,
+        valid: Callable[..., bool] | None = None,
+        hasher: Callable[[], Hashing] | None = None,
+    ) -> None:
         self.data = data
         """The object's bytes (read-only)."""
         self._valid = valid
+        """Called without arguments, or with a fed `hasher()` where there is one."""
+        self._hasher = hasher
 
-    def valid(self) -> bool:
-        """Were `data` the committed object's bytes throughout, up to now?"""
-        return self._valid is None or self._valid()
+    def hasher(self) -> Hashing | None:
+        """A new hasher for `valid`, or None where `valid()` reads no bytes."""
+        return None if self._hasher is None else self._hasher()
+
+    def valid(self, hashed: Hashing | None = None) -> bool:
+        """Were `data` the committed object's bytes throughout, up to now, and do they
+        match their checksum where the store keeps one? `hashed` is this view's
+        `hasher()` fed `data`; fed less than all of it, `data` is hashed again."""
+        if self._valid is None:
+            return True
+        return self._valid() if hashed is None else self._valid(hashed)
 
 
 class Backend(ABC):

@@ -265,14 +265,18 @@ class MaruWorker:
         stored = self._stored_blocks(transfer.group, len(view.data))
         if stored is None or not 0 <= transfer.first_block <= stored - len(transfer.block_ids):
             return None
-        payload, still_valid = host_tensor(view.data[HEADER_BYTES:]), view.valid
+        payload = host_tensor(view.data[HEADER_BYTES:])
         if not self._host_direct(store):
             payload = self.paths[transfer.group].staging(payload.numel()).copy_(payload)
             if not view.valid():
                 return None
-            still_valid = _always
-        copy = ChunkCopy(Blocks(transfer.block_ids), payload, stored, transfer.first_block)
-        return PendingLoad(transfer, copy, still_valid)
+            copy = ChunkCopy(Blocks(transfer.block_ids), payload, stored, transfer.first_block)
+            return PendingLoad(transfer, copy, _always)
+        hasher = None if self._on_device else view.hasher()
+        if hasher is not None:  # the CPU's copies feed it the payload
+            hasher.update(view.data[:HEADER_BYTES])
+        copy = ChunkCopy(Blocks(transfer.block_ids), payload, stored, transfer.first_block, hasher)
+        return PendingLoad(transfer, copy, lambda: view.valid(hasher))
 
     def _stored_blocks(self, group: int, object_bytes: int) -> int | None:
         """How many blocks an object of `object_bytes` holds: a chunk's, or fewer for a

@@ -32,7 +32,7 @@ import numpy as np
 
 from maru.backends._pool.allocator import Allocator
 from maru.backends._pool.audit import audit
-from maru.backends._pool.checksum import NO_CHECKSUM, intact
+from maru.backends._pool.checksum import NO_CHECKSUM, Hasher, intact
 from maru.backends._pool.checksum import checksum as object_checksum
 from maru.backends._pool.index import Index, key_hash, key_hashes
 from maru.backends._pool.locks import (
@@ -326,9 +326,10 @@ class Pool:
         entry, start, size, generation, check = found
         self._map_data(start, size, writable=False)
         data = t.data_view[start : start + size].toreadonly()
+        verified = verify and check != NO_CHECKSUM
 
-        def valid() -> bool:
-            if verify and not intact(check, data):
+        def valid(hashed: Hasher | None = None) -> bool:
+            if verified and not intact(check, data, hashed):
                 self._discard_corrupt(entry, generation, counted)
                 return False
             with self.locked():
@@ -339,7 +340,7 @@ class Pool:
                     t.add(MISSES, 1)
                 return False
 
-        return ReadView(data, valid)
+        return ReadView(data, valid, Hasher if verified else None)
 
     def _found_for_view(self, key: bytes, counted: bool) -> tuple[int, int, int, int, int] | None:
         """`_find_committed` in a section of its own, counted as a hit if `counted`."""
