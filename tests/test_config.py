@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 import maru
@@ -446,3 +448,16 @@ def test_a_pickled_config_is_a_maru_config_with_its_sections_and_secrets() -> No
     assert copy.redis.password.get_secret_value() == "hunter2"
     with pytest.raises(ValidationError):
         copy.backend = "shm"  # type: ignore[misc]
+
+
+def test_the_readmes_configuration_block_shows_the_defaults() -> None:
+    """The README's annotated YAML block is what a config without settings holds, so a
+    changed default cannot leave it saying the old one."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme[readme.index("```yaml\nbackend: shm") + len("```yaml\n") :]
+    shown = yaml.safe_load(block[: block.index("```")])
+    config, defaults = maru.load_config(**shown), maru.load_config()
+    sections = [name for name, value in shown.items() if isinstance(value, dict)]
+    assert config.model_dump(exclude=set(sections)) == defaults.model_dump(exclude=set(sections))
+    for name in sections:
+        assert config.backend_options(name) == defaults.backend_options(name), name
