@@ -120,6 +120,7 @@ bench: $(STAMP) redis-server $(LMCACHE_STAMP)
 	$(BIN)/python benchmarks/hit_cost.py --busy --output benchmarks/results/hit_cost_busy.json
 	$(BIN)/python benchmarks/online_serve.py --lmcache .venv-lmcache
 	$(BIN)/python benchmarks/pool_attach.py
+	$(BIN)/python benchmarks/load_checksum.py
 	$(BIN)/python benchmarks/hybrid_hits.py
 	$(BIN)/python benchmarks/disk_tier.py
 

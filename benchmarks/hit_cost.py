@@ -7,17 +7,23 @@ on the same prompts ending mid-chunk, with a random Llama whose KV cache is larg
 
 1. maru, first engine, each prompt twice: the first run stores it, the second is
    vLLM's own prefix-cache hit on the KV of that same prefill;
-2. maru, a new engine: loads every whole block of every prompt (the same hit length
-   as vLLM's own), the same bytes.
+2. maru, a new engine, each prompt twice: the first run loads every whole block from
+   maru (the same hit length as vLLM's own, the same bytes), the second is this
+   engine's own hit on the blocks it loaded.
 
-So the two hits compare like with like: their tokens are equal on a correct system.
+So the hits compare like with like: their tokens are equal on a correct system. The
+new engine's pairs set each maru hit against an own hit of the same prompt a moment
+later in the same process, so a competing load (`--busy`) touches both alike: the
+paired extra is the median over prompts of maru hit minus own hit.
 Every object is stored with its XXH3 checksum; two more new engines load them with
 verification off and on (`shm.checksum`), so the checksum's cost per hit is measured
 inside the engine, as a share of the hit's time to first token.
 
 maru's extra time (median maru hit minus median own hit) is set against a
 single-threaded memcpy of the bytes a hit loads, measured in the same run just
-before the maru hit engine: "0.8x memcpy" means the extra time is 1.25 memcpys.
+before the maru hit engine: "0.8x memcpy" means the extra time is 1.25 memcpys; so
+are the paired extra and the time maru's load calls took inside the engine per hit
+(its connector's counters: the view, checks and copies, maru's own share of a hit).
 With `--busy`, another process keeps one core busy while the engines run (memcpy is
 measured without it). `python benchmarks/hit_cost.py --help`.
 """
@@ -30,8 +36,8 @@ import json
 import statistics
 import subprocess
 import sys
-from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from e2e_vllm import memcpy_gb_s
@@ -69,6 +75,21 @@ def competing_load(busy: bool):
         spinner.wait()
 
 
+PAIRED = ("own_hit", "maru_hit")
+"""Engines that run each prompt twice: the second run is the engine's own hit."""
+
+
+def measured(run: Any, prompts: range) -> dict[str, Any]:
+    """What one engine's run says of the prompts at `prompts`."""
+    totals = run.extra.get("connector_totals_after_prompt")
+    return {
+        "ttft_s": [run.ttft_s[i] for i in prompts],
+        "cached": [run.num_cached_tokens[i] for i in prompts],
+        "token_ids": [run.token_ids[i] for i in prompts],
+        "totals": [totals[i - 1 : i + 1] for i in prompts] if totals else None,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=2100, help="2100: 8 chunks and a tail")
@@ -99,7 +120,7 @@ def main() -> int:
             if name == "maru_hit":
                 memcpy = memcpy_gb_s(args.prompt_tokens * BYTES_PER_TOKEN)
             print(f"engine {name} ...", file=sys.stderr, flush=True)
-            twice = name == "own_hit"
+            twice = name in PAIRED
             warm_up = rng.integers(1, MODEL["vocab"], WARM_UP_TOKENS).tolist()
             with competing_load(args.busy):
                 run = run_engine(
@@ -110,20 +131,25 @@ def main() -> int:
                     kv_cache_bytes=2 << 30,
                     log_path=log,
                 )
-            measured = range(2, 1 + 2 * args.prompts, 2) if twice else range(1, len(run.ttft_s))
-            runs[name] = {
-                "ttft_s": [run.ttft_s[i] for i in measured],
-                "cached": [run.num_cached_tokens[i] for i in measured],
-                "token_ids": [run.token_ids[i] for i in measured],
-                "totals": run.extra.get("connector_totals_after_prompt"),
-            }
+            count = len(run.ttft_s)
+            if name == "own_hit":  # the first runs stored the prompts
+                runs[name] = measured(run, range(2, count, 2))
+            elif name == "maru_hit":
+                runs[name] = measured(run, range(1, count, 2))
+                runs["maru_engine_own_hit"] = measured(run, range(2, count, 2))
+            else:
+                runs[name] = measured(run, range(1, count))
     finally:
         with maru.open_store(config) as store:
             store.destroy()
-    own, hit = runs["own_hit"], runs["maru_hit"]
-    totals = hit["totals"]
-    loaded = [after["loaded_bytes"] - before["loaded_bytes"] for before, after in pairwise(totals)]
+    own, hit, paired_own = runs["own_hit"], runs["maru_hit"], runs["maru_engine_own_hit"]
+    loaded = [after["loaded_bytes"] - before["loaded_bytes"] for before, after in hit["totals"]]
+    load_s = statistics.median(
+        after["load_seconds"] - before["load_seconds"] for before, after in hit["totals"]
+    )
     extra = statistics.median(hit["ttft_s"]) - statistics.median(own["ttft_s"])
+    pairs = zip(hit["ttft_s"], paired_own["ttft_s"], strict=True)
+    paired = statistics.median(maru_hit - own_hit for maru_hit, own_hit in pairs)
     memcpy_s = statistics.median(loaded) / (memcpy * 1e9)
     report = {
         "busy": args.busy,
@@ -140,11 +166,13 @@ def main() -> int:
             "maru": [args.prompt_tokens - c for c in hit["cached"]],
         },
         "extra_ms": extra * 1e3,
+        "paired_extra_ms": paired * 1e3,
         "memcpy_of_loaded_bytes_ms": memcpy_s * 1e3,
-        "extra_vs_memcpy": memcpy_s / extra if extra > 0 else float("inf"),
-        "same_tokens_as_own_hit": all(
-            runs[name]["token_ids"] == own["token_ids"] for name in engines if name != "own_hit"
-        ),
+        "load_calls_ms_per_hit": load_s * 1e3,
+        "load_calls_vs_memcpy": times_memcpy(memcpy_s, load_s),
+        "extra_vs_memcpy": times_memcpy(memcpy_s, extra),
+        "paired_extra_vs_memcpy": times_memcpy(memcpy_s, paired),
+        "same_tokens_as_own_hit": all(r["token_ids"] == own["token_ids"] for r in runs.values()),
     }
     checked, unchecked = (
         statistics.median(runs[f"maru_hit_{name}"]["ttft_s"]) for name in ("verified", "unverified")
@@ -160,10 +188,16 @@ def main() -> int:
         f"{', one core kept busy' if args.busy else ''}, first hits included:\n"
         f"  vLLM's own hit {median['own_hit']:7.1f} ms (first {first['own']:.1f})\n"
         f"  maru hit       {median['maru_hit']:7.1f} ms (first {first['maru']:.1f})\n"
+        f"  the maru engine's own hit of each prompt after it "
+        f"{median['maru_engine_own_hit']:.1f} ms\n"
         f"  tokens computed on a hit: own {computed['own']}, maru {computed['maru']}\n"
         f"maru's extra: {extra * 1e3:.1f} ms for {report['loaded_bytes_per_hit'] / 1e6:.1f} MB; "
         f"a memcpy of them: {memcpy_s * 1e3:.1f} ms ({memcpy:.1f} GB/s): "
         f"{report['extra_vs_memcpy']:.2f}x memcpy\n"
+        f"paired (each maru hit minus the same engine's own hit of the prompt): "
+        f"{paired * 1e3:.1f} ms: {report['paired_extra_vs_memcpy']:.2f}x memcpy\n"
+        f"maru's load calls in the engine (its own share of a hit): {load_s * 1e3:.1f} ms a hit: "
+        f"{report['load_calls_vs_memcpy']:.2f}x memcpy\n"
         f"checksum verification: hits {unchecked * 1e3:.1f} ms unverified, {checked * 1e3:.1f} ms "
         f"verified: {report['checksum_ms_per_hit']:+.1f} ms = "
         f"{report['checksum_share_of_hit'] * 100:+.1f}% of a verified hit\n"
@@ -171,6 +205,12 @@ def main() -> int:
         f"written to {args.output}"
     )
     return 0 if report["same_tokens_as_own_hit"] else 1
+
+
+def times_memcpy(memcpy_s: float, extra_s: float) -> float:
+    """How many times faster than `extra_s` a memcpy of the bytes was ("0.8x": the
+    extra time is 1.25 memcpys); infinite when maru's hit was no slower."""
+    return memcpy_s / extra_s if extra_s > 0 else float("inf")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,126 @@
+"""What verifying a step's loads costs on the CPU: objects hashed while copied, or after.
+
+One step's worth of objects (by default the online benchmark's: four hits of 1056
+tokens at 8 KiB a token, 20 objects of 1.7 MB, 34.6 MB) is loaded from a checksummed
+shm pool into a CPU KV cache through maru's data path, as the worker does, three ways:
+
+- unverified: the copies alone (read through a store opened with `checksum: false`);
+- verified after: the copies, then `valid()` hashes each object again (by then the
+  step's later copies have pushed it out of the CPU's caches);
+- verified while copying: each segment is fed to the view's hasher just after its
+  copy, while it is in cache (what the worker does), then `valid(hasher)`.
+
+Each step is set against a single-threaded memcpy of the same bytes in the same loop,
+the four taking turns so the machine's drift touches all alike; the objects and the
+cache's blocks rotate through more memory than the CPU caches hold.
+`python benchmarks/load_checksum.py --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+import maru
+from maru.layouts import BlocksFirst, KVFirst, recognise
+from maru.transfer import Blocks, ChunkCopy, DataPath, host_tensor
+
+LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 64, 32
+"""The online benchmark's model: float32, 8 KiB of KV a token."""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--objects", type=int, default=20, help="objects a step loads")
+    parser.add_argument("--blocks", type=int, default=8, help="blocks per object")
+    parser.add_argument("--steps", type=int, default=40, help="measured steps per way")
+    args = parser.parse_args()
+    cache_blocks = 4 * args.objects * args.blocks
+    caches = {
+        f"layer{i}": torch.zeros(2, cache_blocks, HEADS, BLOCK_SIZE, HEAD_DIM)
+        for i in range(LAYERS)
+    }
+    path = DataPath(recognise(caches, cache_blocks, [KVFirst, BlocksFirst]))
+    size = path.payload_bytes(args.blocks)
+    objects = 6 * args.objects  # a few steps' worth: more than the CPU's caches
+    pool = {"backend": "shm", "capacity": 2 * objects * size}
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    store = maru.open_store(**pool, shm={"name": name})
+    unverified = maru.open_store(**pool, shm={"name": name, "checksum": False})
+    try:
+        rng = np.random.default_rng(0)
+        keys = [uuid.uuid4().bytes for _ in range(objects)]
+        for key in keys:
+            assert store.put(key, rng.bytes(size))
+        step_bytes = args.objects * size
+        source, target = (np.frombuffer(rng.bytes(4 * step_bytes), np.int8) for _ in range(2))
+        target = target.copy()
+        ways: dict[str, Callable[[int], None]] = {
+            "memcpy": lambda step: memcpy(source, target, step_bytes, step),
+            "unverified": lambda step: load_step(path, unverified, keys, args, step),
+            "verified after copying": lambda step: load_step(path, store, keys, args, step),
+            "verified while copying": lambda step: load_step(path, store, keys, args, step, True),
+        }
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        for step in range(args.steps + 1):
+            for name, way in ways.items():
+                started = time.perf_counter()
+                way(step)
+                if step:  # the first is a warm-up
+                    times[name].append(time.perf_counter() - started)
+            print(f"\rstep {step}/{args.steps}", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+    finally:
+        unverified.close()
+        store.destroy()
+    memcpy_s = statistics.median(times["memcpy"])
+    print(f"one step: {args.objects} objects of {size / 1e6:.2f} MB ({step_bytes / 1e6:.1f} MB)")
+    for name, measured in times.items():
+        median = statistics.median(measured)
+        print(
+            f"  {name:24} {median * 1e3:6.2f} ms  {step_bytes / median / 1e9:5.1f} GB/s  "
+            f"{median / memcpy_s:4.2f}x memcpy's time"
+        )
+    return 0
+
+
+def memcpy(source: np.ndarray, target: np.ndarray, nbytes: int, step: int) -> None:
+    """A plain copy of one step's bytes, each step from and to other memory."""
+    at = (step % 4) * nbytes
+    np.copyto(target[at : at + nbytes], source[at : at + nbytes])
+
+
+def load_step(
+    path: DataPath,
+    store: maru.Backend,
+    keys: list[bytes],
+    args: argparse.Namespace,
+    step: int,
+    hashed_while_copying: bool = False,
+) -> None:
+    """Load one step's objects into the cache as the worker does; every one must be
+    valid (and match its checksum, where `store` verifies)."""
+    first, offset = (step * args.objects) % len(keys), (step % 4) * args.objects * args.blocks
+    views, chunks = [], []
+    for index in range(args.objects):
+        view = store.view(keys[(first + index) % len(keys)])
+        blocks = Blocks(
+            list(range(offset + index * args.blocks, offset + (index + 1) * args.blocks))
+        )
+        hasher = view.hasher() if hashed_while_copying else None
+        chunks.append(ChunkCopy(blocks, host_tensor(view.data), args.blocks, 0, hasher))
+        views.append(view)
+    assert path.load(chunks) == set()
+    for view, chunk in zip(views, chunks, strict=True):
+        assert view.valid(chunk.hasher), "an object failed its checks"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
