@@ -9,6 +9,7 @@ import pytest
 import maru
 from maru.backends._pool import checksum as checksums
 from maru.backends._pool.index import key_hash
+from maru.backends._pool.region import data_start
 from maru.backends.shm import shm_path
 from maru.testing import payload
 
@@ -44,7 +45,8 @@ def corrupt(store: maru.Backend, path: Path, key: bytes) -> None:
     """Flip one byte in the middle of the object, as a stray writer of the file would."""
     pool, tables = store.pool, store.pool.tables
     entry = pool.index.find(key, key_hash(key))
-    start = int(tables.offset[entry] + tables.key_len[entry]) + int(tables.length[entry]) // 2
+    start = data_start(int(tables.offset[entry]), int(tables.key_len[entry]))
+    start += int(tables.length[entry]) // 2
     with open(path, "r+b") as region:
         region.seek(pool.geometry.data_offset + start)
         byte = region.read(1)[0]

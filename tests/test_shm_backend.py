@@ -7,6 +7,7 @@ import os
 import stat
 import threading
 
+import numpy as np
 import pytest
 
 import maru
@@ -29,6 +30,28 @@ class TestShmContract(BackendContract, EvictionContract):
 
 def open_shm(name: str, capacity: str = "8MiB", **options) -> maru.Backend:
     return maru.open_store(backend="shm", capacity=capacity, shm={"name": name, **options})
+
+
+@pytest.mark.parametrize("key_bytes", [1, 34, 63, 64, 65, 300])
+def test_an_objects_bytes_start_on_a_64_byte_boundary_whatever_its_key(
+    pool_names, key_bytes
+) -> None:
+    """Copies between objects and an aligned KV cache run at full speed only aligned
+    (a load from an object 34 bytes off measured 10% slower, a save into one up to 40%)."""
+    with maru.open_store(backend="shm", capacity="8MiB", shm={"name": pool_names()}) as store:
+        put, reserved = b"p" * key_bytes, b"r" * key_bytes
+        assert store.put(put, payload("p", 5000))
+        with store.reserve(reserved, 3 * 2**20) as buffer:
+            assert address(buffer) % 64 == 0
+            buffer[:] = payload("r", 3 * 2**20)
+        for key, data in ((put, payload("p", 5000)), (reserved, payload("r", 3 * 2**20))):
+            view = store.view(key)
+            assert address(view.data) % 64 == 0 and bytes(view.data) == data
+        assert store.pool.audit() == []
+
+
+def address(buffer: memoryview) -> int:
+    return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
 
 
 def test_a_pool_of_another_capacity_is_refused(pool_names) -> None:

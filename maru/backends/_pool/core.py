@@ -64,6 +64,7 @@ from maru.backends._pool.region import (
     Damaged,
     Geometry,
     Tables,
+    data_start,
     round_up,
 )
 from maru.backends._pool.section import Section
@@ -159,7 +160,7 @@ class Pool:
         handle = self._retried(claim)
         if handle is None:
             return None
-        start = int(t.offset[handle[0]]) + len(key)
+        start = data_start(int(t.offset[handle[0]]), len(key))
         self._map_data(start, nbytes, writable=True)
         return handle, t.data_view[start : start + nbytes]
 
@@ -175,7 +176,7 @@ class Pool:
                 entry = self.allocator.claim(key, hashed, span, data.nbytes, writer)
                 if entry == NONE:
                     return False
-                start = int(t.offset[entry]) + len(key)
+                start = data_start(int(t.offset[entry]), len(key))
                 t.data_view[start : start + data.nbytes] = data
                 self._publish(entry, check)
                 return True
@@ -200,7 +201,7 @@ class Pool:
 
     def _prepare(self, key: bytes, nbytes: int) -> tuple[int, int, int]:
         """(span, key hash, writer id) of a new object; refuses one larger than the pool."""
-        span = round_up(len(key) + nbytes, ALIGN) or ALIGN
+        span = data_start(0, len(key)) + round_up(nbytes, ALIGN)
         if span > self.geometry.capacity:
             raise ObjectTooLargeError(
                 f"object of {nbytes} bytes is larger than the pool "
@@ -233,7 +234,7 @@ class Pool:
         """The checksum of a reservation's bytes. Read without the lock: the reservation
         is this process's, and if it was reclaimed meanwhile commit refuses it anyway."""
         t = self.tables
-        start = int(t.offset[entry] + t.key_len[entry])
+        start = data_start(int(t.offset[entry]), int(t.key_len[entry]))
         return object_checksum(t.data_view[start : start + int(t.length[entry])])
 
     def _publish(self, entry: int, check: int) -> None:
@@ -286,7 +287,7 @@ class Pool:
             return None
         if counted:
             t.hot[entry] = 1
-        start = int(t.offset[entry] + t.key_len[entry])
+        start = data_start(int(t.offset[entry]), int(t.key_len[entry]))
         return entry, start, int(t.length[entry]), int(t.gen[entry]), int(t.check[entry])
 
     def _copy(

@@ -26,7 +26,7 @@ from maru.backends.base import MAX_KEY_BYTES
 from maru.errors import BackendError, ConfigError
 
 MAGIC = b"MARUPOOL"
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 """6: a seal per entry over its fields; 5: a removal log in the header; 4: XXH3-64 key
 hashes and checksums; 3: a checksum field per entry; 2: 64-bit BLAKE2b key hashes (1:
 CRC-32 and length)."""
@@ -109,6 +109,12 @@ class Damaged(Exception):
 def round_up(value: int, align: int) -> int:
     """`value` rounded up to a multiple of `align`."""
     return -(-value // align) * align
+
+
+def data_start(offset: int, key_len: int) -> int:
+    """Where an object's bytes start in its span: after its key, on an ALIGN boundary
+    (a copy between a misaligned object and an aligned KV cache runs 10-40% slower)."""
+    return offset + round_up(key_len, ALIGN)
 
 
 @dataclass(frozen=True)
@@ -299,7 +305,7 @@ class Tables:
             and ALIGN <= span <= self._capacity - offset
             and span % ALIGN == 0
             and 0 < key_len <= MAX_KEY_BYTES
-            and 0 <= length <= span - key_len
+            and 0 <= length <= span - round_up(key_len, ALIGN)
             and 0 <= self.writer[entry] >> 48 < WRITER_SLOTS
             and self.digest[entry] == self._seal(entry)
         )
