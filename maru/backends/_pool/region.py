@@ -27,9 +27,9 @@ from maru.errors import BackendError, ConfigError
 
 MAGIC = b"MARUPOOL"
 FORMAT_VERSION = 7
-"""6: a seal per entry over its fields; 5: a removal log in the header; 4: XXH3-64 key
-hashes and checksums; 3: a checksum field per entry; 2: 64-bit BLAKE2b key hashes (1:
-CRC-32 and length)."""
+"""7: an object's bytes start on an ALIGN boundary after its key; 6: a seal per entry
+over its fields; 5: a removal log in the header; 4: XXH3-64 key hashes and checksums;
+3: a checksum field per entry; 2: 64-bit BLAKE2b key hashes (1: CRC-32 and length)."""
 ALIGN = 64
 PAGE = 4096
 BYTES_PER_ENTRY = 64 * 1024
