@@ -266,16 +266,15 @@ class MaruWorker:
         if stored is None or not 0 <= transfer.first_block <= stored - len(transfer.block_ids):
             return None
         payload = host_tensor(view.data[HEADER_BYTES:])
-        if not self._host_direct(store):
+        blocks, first = Blocks(transfer.block_ids), transfer.first_block
+        if not self._host_direct(store):  # staged, and checked once there
             payload = self.paths[transfer.group].staging(payload.numel()).copy_(payload)
-            if not view.valid():
-                return None
-            copy = ChunkCopy(Blocks(transfer.block_ids), payload, stored, transfer.first_block)
-            return PendingLoad(transfer, copy, _always)
+            staged = ChunkCopy(blocks, payload, stored, first)
+            return PendingLoad(transfer, staged, lambda: True) if view.valid() else None
         hasher = None if self._on_device else view.hasher()
         if hasher is not None:  # the CPU's copies feed it the payload
             hasher.update(view.data[:HEADER_BYTES])
-        copy = ChunkCopy(Blocks(transfer.block_ids), payload, stored, transfer.first_block, hasher)
+        copy = ChunkCopy(blocks, payload, stored, first, hasher)
         return PendingLoad(transfer, copy, lambda: view.valid(hasher))
 
     def _stored_blocks(self, group: int, object_bytes: int) -> int | None:
@@ -489,10 +488,6 @@ class MaruWorker:
         self.commit_copied(wait=True)
         log.info("maru: worker half (rank %d) since start-up: %s", self.rank, self.stats.lifetime)
         self.store.close()
-
-
-def _always() -> bool:
-    return True
 
 
 def _guess_num_blocks(kv_caches: dict[str, Any]) -> int:
