@@ -484,13 +484,22 @@ def test_on_the_cpu_saves_are_done_within_the_step_and_never_reported(tiny_model
     assert writer.get_finished({"r"}) == (None, None)
 
 
+def save_k0_k1() -> MaruConnectorMetadata:
+    """Two chunks saved from blocks 3, 7 and 1, 2 (`load_k0_k1` loads them)."""
+    return MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7]), ChunkTransfer(b"k1", [1, 2])])
+
+
+def load_k0_k1() -> MaruConnectorMetadata:
+    """The chunks of `save_k0_k1` loaded into blocks 11, 12 and 20, 21."""
+    return MaruConnectorMetadata(
+        loads=[ChunkTransfer(b"k0", [11, 12]), ChunkTransfer(b"k1", [20, 21])]
+    )
+
+
 def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model, pool_names) -> None:
     shm = {"backend": "shm", "capacity": "8MiB", "shm": {"name": pool_names()}}
     source, target = kv_caches(1), kv_caches(None)
-    run_step(
-        worker(tiny_model, "unused", source, settings=shm),
-        MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7]), ChunkTransfer(b"k1", [1, 2])]),
-    )
+    run_step(worker(tiny_model, "unused", source, settings=shm), save_k0_k1())
     store = maru.open_store(**shm)
 
     def recycle() -> None:  # while the copies run, k1 is evicted and its memory reused
@@ -501,12 +510,7 @@ def test_a_load_whose_object_is_recycled_while_copying_fails_alone(tiny_model, p
     reader = worker(
         tiny_model, "unused", target, settings=shm, queue=DeferredQueue(meanwhile=recycle)
     )
-    failed = run_step(
-        reader,
-        MaruConnectorMetadata(
-            loads=[ChunkTransfer(b"k0", [11, 12]), ChunkTransfer(b"k1", [20, 21])]
-        ),
-    )
+    failed = run_step(reader, load_k0_k1())
     assert failed == {20, 21}, "exactly the recycled chunk's blocks are recomputed"
     assert same_blocks(source, [3, 7], target, [11, 12])
     assert reader.get_kv_connector_stats().data["loads"] == 1
@@ -520,21 +524,13 @@ def test_a_cpu_load_checks_the_checksum_of_the_bytes_it_copied(
     name = pool_names()
     shm = {"backend": "shm", "capacity": "8MiB", "shm": {"name": name}}
     source, target = kv_caches(1), kv_caches(None)
-    run_step(
-        worker(tiny_model, "unused", source, settings=shm),
-        MaruConnectorMetadata(saves=[ChunkTransfer(b"k0", [3, 7]), ChunkTransfer(b"k1", [1, 2])]),
-    )
+    run_step(worker(tiny_model, "unused", source, settings=shm), save_k0_k1())
     store = maru.open_store(**shm)
     corrupt(store, shm_path(name), rank_key(b"k1", 0))
     reader = worker(tiny_model, "unused", target, settings=shm)
     hashed_whole = []
     monkeypatch.setattr(checksums, "checksum", lambda data: hashed_whole.append(data))
-    failed = run_step(
-        reader,
-        MaruConnectorMetadata(
-            loads=[ChunkTransfer(b"k0", [11, 12]), ChunkTransfer(b"k1", [20, 21])]
-        ),
-    )
+    failed = run_step(reader, load_k0_k1())
     assert failed == {20, 21}, "exactly the corrupt chunk's blocks are recomputed"
     assert same_blocks(source, [3, 7], target, [11, 12])
     assert hashed_whole == [], "no object was hashed again after its copy"
