@@ -51,17 +51,17 @@ def main() -> int:
     size = path.payload_bytes(args.blocks)
     objects = 6 * args.objects  # a few steps' worth: more than the CPU's caches
     pool = {"backend": "shm", "capacity": 2 * objects * size}
-    name = f"bench-{uuid.uuid4().hex[:8]}"
-    store = maru.open_store(**pool, shm={"name": name})
-    unverified = maru.open_store(**pool, shm={"name": name, "checksum": False})
+    pool_name = f"bench-{uuid.uuid4().hex[:8]}"
+    store = maru.open_store(**pool, shm={"name": pool_name})
+    unverified = maru.open_store(**pool, shm={"name": pool_name, "checksum": False})
     try:
         rng = np.random.default_rng(0)
         keys = [uuid.uuid4().bytes for _ in range(objects)]
         for key in keys:
             assert store.put(key, rng.bytes(size))
         step_bytes = args.objects * size
-        source, target = (np.frombuffer(rng.bytes(4 * step_bytes), np.int8) for _ in range(2))
-        target = target.copy()
+        source = np.frombuffer(rng.bytes(4 * step_bytes), np.int8)
+        target = np.ones(4 * step_bytes, np.int8)  # written, so its pages are mapped
         ways: dict[str, Callable[[int], None]] = {
             "memcpy": lambda step: memcpy(source, target, step_bytes, step),
             "unverified": lambda step: load_step(path, unverified, keys, args, step),
