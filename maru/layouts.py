@@ -238,3 +238,10 @@ def recognise(
 @hookimpl
 def maru_layout_adapters() -> list[type[LayoutAdapter]]:
     return [KVFirst, BlocksFirst]
+
+
+def guess_num_blocks(kv_caches: dict[str, Any]) -> int:
+    """Without a KVCacheConfig's block count (old vLLM): the leading dimension, after
+    a K/V split."""
+    tensor = kv_tensor(next(iter(kv_caches.values())))
+    return int(tensor.shape[1] if tensor.dim() >= 3 and tensor.shape[0] == 2 else tensor.shape[0])

@@ -89,7 +89,7 @@ def test_numa_mode_binds_the_pool_to_the_node(open_stores) -> None:
         backend="cxl", capacity="8MiB", cxl={"mode": "numa", "numa_node": 0, "name": name}
     )
     try:
-        assert memory_policy(store.pool.region) == (MPOL_BIND, [0])
+        assert memory_policy(store.pool.region.view) == (MPOL_BIND, [0])
         store.put(b"k", b"on node 0")
         assert store.get(b"k") == b"on node 0"
     finally:

@@ -24,6 +24,7 @@ from maru.backends import shm
 from maru.backends._pool import memory
 from maru.backends._pool.attach import memory_of
 from maru.cli import main
+from maru.hugepages import HUGE_PAGE
 
 MIB = 2**20
 SYSFS_NEVER = "always within_size advise [never] deny force\n"
@@ -162,6 +163,7 @@ def sparse_pool(name: str, capacity: str, monkeypatch) -> Path:
     with monkeypatch.context() as patch:
         patch.setattr(memory, "reserve", lambda *args: None)
         patch.setattr(memory, "_populate_new", lambda *args: None)
+        patch.setattr(memory, "_collapse_new", lambda *args: None)
         with maru.open_store(shm_config(name, capacity)):
             pass
     path = shm.shm_path(name)
@@ -302,10 +304,44 @@ def test_a_pool_gets_huge_pages_where_the_tmpfs_offers_them(tmpfs, monkeypatch, 
         assert (report["huge_pages"], report["huge_page_bytes"]) == ("no", 0)
 
 
-def test_a_pool_falls_back_to_small_pages_where_the_tmpfs_does_not(tmpfs, monkeypatch) -> None:
+def collapse_on_shmem() -> bool:
+    """MADV_COLLAPSE of tmpfs pages: Linux 6.1 with transparent huge pages."""
+    release = tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
+    return thp_on_shmem() and release >= (6, 1)
+
+
+def test_a_pool_on_a_tmpfs_that_gives_small_pages_is_made_of_huge_pages(tmpfs, monkeypatch) -> None:
+    """A plain /dev/shm gives 4 KiB pages; the new pool's are made huge, and a process
+    that attaches maps them 2 MiB at a time (before, every process mapped 4 KiB pages)."""
     monkeypatch.setattr(shm, "SHM_DIR", tmpfs("64M", huge="never"))
-    with maru.open_store(shm_config("small", "32MiB", prefault=True)) as store:
+    with maru.open_store(shm_config("small", "32MiB")) as writer:
+        created = memory_of(writer.pool).report()
+        assert writer.put(b"object", bytes(range(256)) * (8 * 4096))  # 8 MiB
+    with maru.open_store(shm_config("small", "32MiB")) as store:
+        populator = memory_of(store.pool).populator
+        assert populator.address % HUGE_PAGE == 0, "mapped at a huge-page boundary"
+        view = store.view(b"object")
+        assert view is not None and bytes(view.data[-256:]) == bytes(range(256))
+        attached = memory_of(store.pool).report()
+        del view
+    assert created["populated"] == "yes" and "huge=never" in created["huge_page_policy"]
+    if collapse_on_shmem():
+        assert created["huge_pages"] == "yes" and created["huge_page_bytes"] >= 32 * MIB
+        assert "made huge at the pool's creation" in created["huge_page_policy"]
+        assert attached["huge_pages"] == "yes" and attached["huge_page_bytes"] >= 8 * MIB
+    else:
+        assert (created["huge_pages"], attached["huge_pages"]) == ("no", "no")
+
+
+def test_a_pool_whose_pages_cannot_be_made_huge_gets_small_ones(tmpfs, monkeypatch) -> None:
+    """A kernel that refuses MADV_COLLAPSE (older than 6.1, or no free huge page): the
+    pool is reserved and populated in small pages, and works."""
+    monkeypatch.setattr(shm, "SHM_DIR", tmpfs("64M", huge="never"))
+    monkeypatch.setattr(memory, "MADV_COLLAPSE", -1)  # advice no kernel knows: EINVAL
+    with maru.open_store(shm_config("small", "32MiB")) as store:
         report = memory_of(store.pool).report()
         assert store.put(b"k", b"v") and store.get(b"k") == b"v"
     assert (report["huge_pages"], report["huge_page_bytes"]) == ("no", 0)
-    assert report["populated"] == "yes" and "huge=never" in report["huge_page_policy"]
+    assert report["populated"] == "yes"
+    path = shm.shm_path("small")
+    assert os.stat(path).st_blocks * 512 == os.stat(path).st_size, "reserved in full"

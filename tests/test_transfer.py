@@ -3,16 +3,21 @@ device, loads complete layer by layer, and devices it cannot handle are refused.
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 from maru.backends._pool.checksum import Hasher, checksum
-from maru.layouts import recognise
+from maru.layouts import BlocksFirst, KVFirst, recognise
 from maru.transfer import (
     Blocks,
     ChunkCopy,
     DataPath,
     UnsupportedDeviceError,
+    put_caches_on_huge_pages,
     queue_for,
     widest,
 )
@@ -170,3 +175,38 @@ def test_the_gpu_check_runs_its_round_trips_on_the_cpu(tmp_path, monkeypatch) ->
     assert exited.value.code == 0
     layouts = json.loads(output.read_text())["layouts"]
     assert len(layouts) == 6 and all(r["bit_exact"] for r in layouts.values())
+
+
+def anon_huge_bytes_at(address: int) -> int:
+    """Bytes of the mapping holding `address` that are transparent huge pages (smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span.group(1), 16) <= address < int(span.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def thp_collapse_available() -> bool:
+    """MADV_COLLAPSE: Linux 6.1, transparent huge pages not turned off."""
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    release = tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
+    return enabled.exists() and "[never]" not in enabled.read_text() and release >= (6, 1)
+
+
+def test_a_cpu_cache_is_put_on_huge_pages_with_its_contents_kept() -> None:
+    """torch gives a CPU KV cache 4 KiB pages (unless THP is `always`), and each costs
+    maru's copies into the cache a TLB miss; maru moves the cache onto 2 MiB pages."""
+    blocks = 256
+    cache = torch.randn(2, blocks, 4, 32, 64)  # 16 MiB
+    before = cache.clone()
+    path = DataPath(recognise({"layer0": cache}, blocks, [KVFirst, BlocksFirst]))
+    moved = put_caches_on_huge_pages([path])
+    assert torch.equal(cache, before)
+    middle = cache.data_ptr() + cache.nbytes // 2  # madvise split the mapping around it
+    if thp_collapse_available():
+        assert moved >= 12 * 2**20 and anon_huge_bytes_at(middle) >= moved
+    else:
+        assert (moved, anon_huge_bytes_at(middle)) == (0, 0)

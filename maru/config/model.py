@@ -142,6 +142,11 @@ class MaruConfig(BaseModel):
         description="with kv_role kv_consumer, seconds a request waits for the objects its "
         "producer named (kv_transfer_params) to be stored before computing them",
     )
+    kv_cache_huge_pages: bool = Field(
+        True,
+        description="move a CPU KV cache onto 2 MiB pages at start-up: copies into it run "
+        "up to a fifth faster, for 0.7-3 s per GiB of cache, once",
+    )
     config_file: Path | None = Field(None, description="YAML, TOML or JSON file to read")
 
     def __init__(self, /, **data: Any) -> None:

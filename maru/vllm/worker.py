@@ -19,7 +19,7 @@ import torch
 
 from maru.backends.base import Backend
 from maru.config import MaruConfig
-from maru.layouts import LayoutAdapter, LayoutError, kv_tensor, recognise
+from maru.layouts import LayoutAdapter, LayoutError, guess_num_blocks, recognise
 from maru.log import get_logger
 from maru.plugins import get_plugin_manager
 from maru.transfer import (
@@ -30,6 +30,7 @@ from maru.transfer import (
     UnsupportedDeviceError,
     host_tensor,
     pin,
+    put_caches_on_huge_pages,
 )
 from maru.vllm.compat import pipeline_parallel_rank, tensor_parallel_rank
 from maru.vllm.groups import FULL, KVGroup, UnservedGroups, kv_groups, loads_async
@@ -106,6 +107,7 @@ class MaruWorker:
             self.groups = []
         self.loads_async = loads_async(self.groups)
         self.chunk_tokens = config.chunk_tokens
+        self.huge_pages = config.kv_cache_huge_pages
         self.stats = MaruConnectorStats()
         self.store = StoreGuard(config, "worker", self.stats)
         self.rank = self._share(vllm_config.parallel_config)
@@ -160,7 +162,7 @@ class MaruWorker:
             log.info("maru: not a KV cache maru serves (see the scheduler's error); no data path")
             return
         adapters = [p.cls for p in get_plugin_manager().layout_adapters.values()]
-        num_blocks = self.num_blocks or _guess_num_blocks(kv_caches)
+        num_blocks = self.num_blocks or guess_num_blocks(kv_caches)
         try:
             for group in self.groups:
                 adapter = recognise(self._layers(group, kv_caches), num_blocks, adapters)
@@ -177,6 +179,8 @@ class MaruWorker:
             name: index for index, path in self.paths.items() for name in path.adapter.layers
         }
         self.fingerprint = "+".join(path.adapter.fingerprint for path in self.paths.values())
+        if self.huge_pages:
+            put_caches_on_huge_pages(self.paths.values())
         store = self.store.available()  # at start-up: a new pool is set up here, not in a request
         if self._on_device and store is not None and store.zero_copy:
             self.pinned = pin(store.host_memory())
@@ -488,10 +492,3 @@ class MaruWorker:
         self.commit_copied(wait=True)
         log.info("maru: worker half (rank %d) since start-up: %s", self.rank, self.stats.lifetime)
         self.store.close()
-
-
-def _guess_num_blocks(kv_caches: dict[str, Any]) -> int:
-    """Without a KVCacheConfig's block count (old vLLM): the leading dimension, after
-    a K/V split."""
-    tensor = kv_tensor(next(iter(kv_caches.values())))
-    return int(tensor.shape[1] if tensor.dim() >= 3 and tensor.shape[0] == 2 else tensor.shape[0])

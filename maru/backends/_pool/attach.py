@@ -8,7 +8,6 @@ maps each object's pages when it is first used (see `memory`).
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -16,9 +15,11 @@ from dataclasses import dataclass
 
 from maru.backends._pool.core import Pool
 from maru.backends._pool.locks import lock_region, unlock_region
+from maru.backends._pool.mapping import Mapping
 from maru.backends._pool.memory import Memory, prepare
 from maru.backends._pool.region import HEADER_BYTES, MAGIC, PAGE, Geometry, check_header
 from maru.errors import BackendError, ConfigError
+from maru.hugepages import HUGE_PAGE
 
 _open_pools: dict[tuple[int, int], Pool] = {}
 _memory: dict[Pool, Memory] = {}
@@ -52,7 +53,7 @@ class RegionSpec:
     create: bool = True
     prefault: bool = False
     device_size: int | None = None
-    before_init: Callable[[mmap.mmap], None] | None = None
+    before_init: Callable[[memoryview], None] | None = None
 
 
 def attach(spec: RegionSpec) -> Pool:
@@ -75,7 +76,7 @@ def attach(spec: RegionSpec) -> Pool:
                 _memory[pool] = memory
                 fd = -1
             elif pool.geometry != geometry:
-                check_header(pool.region, geometry, pool.label)
+                check_header(pool.region.view, geometry, pool.label)
             pool.users += 1
     finally:
         if fd >= 0:
@@ -134,24 +135,32 @@ def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> tuple[Pool, Memory]:
         elif size < HEADER_BYTES:
             raise BackendError(f"{spec.label} is not a maru pool (only {size} bytes)")
         length = geometry.total if size == 0 or device else size
-        region = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        fresh = size == 0 or (device and bytes(region[:8]) != MAGIC)
+        region = _mapping(fd, length, spec)
+        fresh = size == 0 or (device and bytes(region.view[:8]) != MAGIC)
         if not fresh:
-            check_header(region, geometry, spec.label)
+            check_header(region.view, geometry, spec.label)
         if spec.before_init:
-            spec.before_init(region)
+            spec.before_init(region.view)
         memory = _prepare(fd, region, spec, new=size == 0, fresh=fresh)
         pool = Pool(fd, region, geometry, spec.label, memory.populator.ensure)
         if fresh:
             if device:
-                region[: geometry.data_offset] = bytes(geometry.data_offset)
+                region.view[: geometry.data_offset] = bytes(geometry.data_offset)
             pool.initialize()
         return pool, memory
     finally:
         unlock_region(fd)
 
 
-def _prepare(fd: int, region: mmap.mmap, spec: RegionSpec, *, new: bool, fresh: bool) -> Memory:
+def _mapping(fd: int, length: int, spec: RegionSpec) -> Mapping:
+    """The region mapped at a huge-page boundary (or a device's larger alignment)."""
+    try:
+        return Mapping(fd, length, max(HUGE_PAGE, spec.align))
+    except OSError as exc:
+        raise BackendError(f"cannot map {spec.label}: {exc.strerror}") from None
+
+
+def _prepare(fd: int, region: Mapping, spec: RegionSpec, *, new: bool, fresh: bool) -> Memory:
     """`memory.prepare`; a new file that does not fit is removed, leaving nothing behind."""
     try:
         if new and os.fstat(fd).st_nlink == 0:

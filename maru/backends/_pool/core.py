@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -43,6 +42,7 @@ from maru.backends._pool.locks import (
     lock_descriptor_in_child,
     reset_after_fork,
 )
+from maru.backends._pool.mapping import Mapping
 from maru.backends._pool.region import (
     ALIGN,
     COMMITTED,
@@ -86,7 +86,7 @@ class Pool:
     def __init__(
         self,
         fd: int,
-        region: mmap.mmap,
+        region: Mapping,
         geometry: Geometry,
         label: str,
         map_range: Callable[[int, int, bool], None] = lambda offset, length, writable: None,
@@ -99,7 +99,7 @@ class Pool:
         self.geometry = geometry
         self.label = label
         self.users = 0
-        self.tables = Tables(region, geometry)
+        self.tables = Tables(region.view, geometry)
         self.index = Index(self.tables, geometry.buckets, geometry.entries)
         self._lock_fd = lock_descriptor(fd)
         self.writers = WriterSlots(self._lock_fd, self.tables, label)
@@ -123,7 +123,7 @@ class Pool:
 
     def initialize(self) -> None:
         """Write a fresh, empty pool (caller holds the file lock; region is zero)."""
-        self.tables.write_header(self.region, self.geometry)
+        self.tables.write_header(self.region.view, self.geometry)
         self._rebuild()
         self.tables.set(READY, 1)
 
@@ -483,6 +483,5 @@ class Pool:
             self.writers.release()
             os.close(self._lock_fd)
         self.tables.release()
-        with contextlib.suppress(BufferError):
-            self.region.close()
+        self.region.close()
         os.close(self.fd)

@@ -1,5 +1,5 @@
 """The memory behind a pool: reserved at creation, populated ahead of use, huge
-pages where the system offers them.
+pages wherever the kernel can make them.
 
 A pool's region is a file (tmpfs for shm, any file for emulated cxl). A sparse
 file opens at any size, and the first write to a page the filesystem cannot
@@ -15,12 +15,16 @@ region whole, at creation, before the pool's first use (its first pass then runs
 memory speed); in a process that attaches to an existing pool, each object's range
 when it is first read or written (so attaching walks nothing, and a process maps only
 what it uses: eight engines on a 512 GiB pool do not each map all of it).
+
+Small pages cost a hit dearly: mapping a new process's 34 MB of a hit took longer than
+copying them, and each 4 KiB page is a TLB miss. A tmpfs gives huge pages only when
+mounted with `huge=` (a plain /dev/shm is not), so a new region on one that gives small
+pages is made of huge pages at its creation (`Populator.collapse`), and every process
+maps it at a 2 MiB boundary (`mapping`), one page-table entry per 2 MiB.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import errno
 import mmap
 import os
@@ -32,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maru.backends._pool.locks import reset_after_fork
+from maru.backends._pool.mapping import Mapping
 from maru.errors import BackendError, ConfigError
+from maru.hugepages import HUGE_PAGE, MADV_COLLAPSE, MADV_HUGEPAGE, madvise
 from maru.log import get_logger
 from maru.sizes import format_size
 
@@ -44,15 +50,12 @@ touching them (read-only mappings are the cheaper: 6.3 against 5.0 GB/s of first
 in a new process, `benchmarks/pool_attach.py`)."""
 POPULATE_CHUNK = 64 * 2**20
 """Bytes populated per madvise call when populating a whole region: progress granularity."""
-GRANULE = 2 * 2**20
+GRANULE = HUGE_PAGE
 """Bytes mapped at once on first use (a huge page's worth: one madvise maps many pages)."""
 READABLE, WRITABLE = 1, 2
 SHMEM_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 MOUNTINFO = Path("/proc/self/mountinfo")
 SMAPS = Path("/proc/self/smaps")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 # --- reserving the backing -----------------------------------------------------
@@ -116,6 +119,8 @@ class HugePages:
     mode: str
     """The effective policy: always, within_size, advise, never, or device (DAX)."""
     reason: str
+    collapsible: bool = False
+    """A tmpfs that gives small pages, whose pages maru makes huge at creation (`collapse`)."""
 
 
 def selected(sysfs_text: str) -> str:
@@ -140,7 +145,8 @@ def huge_policy(shmem_enabled: str, fs_type: str, mount_options: str) -> HugePag
         return HugePages("always", "shmem_enabled is force")
     found = re.search(r"(?:^|,)huge=([a-z_]+)", mount_options)
     mode = found.group(1) if found else "never"
-    return HugePages(mode, f"tmpfs mounted with huge={mode}, shmem_enabled [{system}]")
+    reason = f"tmpfs mounted with huge={mode}, shmem_enabled [{system}]"
+    return HugePages(mode, reason, collapsible=mode == "never")
 
 
 def mount_of(fd: int, mountinfo: str) -> tuple[str, str]:
@@ -163,11 +169,11 @@ def huge_pages_for(fd: int) -> HugePages:
     return huge_policy(_read(SHMEM_ENABLED) or "[never]", fs_type, options)
 
 
-def advise_huge(region: mmap.mmap, policy: HugePages) -> None:
-    """Ask for huge pages where the policy leaves it to the mapping (huge=advise)."""
+def advise_huge(region: Mapping, policy: HugePages) -> None:
+    """Ask for huge pages where the policy leaves it to the mapping (huge=advise); a
+    kernel without them refuses, and the pool gets small pages (reported)."""
     if policy.mode == "advise":
-        with contextlib.suppress(OSError):  # a kernel without THP: small pages, reported
-            region.madvise(mmap.MADV_HUGEPAGE)
+        madvise(region.address, len(region), MADV_HUGEPAGE)
 
 
 def huge_page_bytes_at(address: int) -> int:
@@ -189,11 +195,6 @@ def _read(path: Path) -> str:
         return ""
 
 
-def address_of(region: mmap.mmap) -> int:
-    """The start address of a mapping (the temporary buffer export ends at once)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(region))
-
-
 # --- populating ------------------------------------------------------------------
 
 
@@ -208,8 +209,8 @@ class Populator:
     "no": fork copies no page tables of a shared file mapping.
     """
 
-    def __init__(self, region: mmap.mmap, label: str) -> None:
-        self.address = address_of(region)
+    def __init__(self, region: Mapping, label: str) -> None:
+        self.address = region.address
         self.total = len(region)
         self.done = 0
         self.state = "no"
@@ -268,6 +269,27 @@ class Populator:
             self._granules[granule:run] = bytes([wanted]) * (run - granule)
             granule = run
 
+    def collapse(self) -> int:
+        """Make a new region's memory huge pages, where its tmpfs would give it small
+        ones; the bytes made huge. Each whole granule gets its first page (a populate,
+        which fails where a write would SIGBUS), then they are collapsed into huge pages
+        (MADV_COLLAPSE, Linux 6.1) a chunk at a time: cheaper than allocating the region
+        page by page, and every process then maps it 2 MiB at a time. Best effort: it
+        stops at the first refusal (an older kernel, no free huge page, no room), leaving
+        the rest to `reserve`."""
+        started = 0
+        while started + GRANULE <= self.total:
+            if _populate(self.address + started, mmap.PAGESIZE, MADV_POPULATE_WRITE):
+                break
+            started += GRANULE
+        made = 0
+        while made < started:
+            length = min(POPULATE_CHUNK, started - made)
+            if madvise(self.address + made, length, MADV_COLLAPSE):
+                break
+            made += length
+        return made
+
     def _populate(self, offset: int, length: int, writable: bool = True) -> bool:
         """madvise one range; False (and the state says why) if the kernel refused."""
         advice = MADV_POPULATE_WRITE if writable else MADV_POPULATE_READ
@@ -287,8 +309,7 @@ class Populator:
 
 def _populate(address: int, length: int, advice: int) -> int:
     """madvise(advice) on a range; 0 or the errno (EINTR, EAGAIN retried)."""
-    while _libc.madvise(address, length, advice) != 0:
-        code = ctypes.get_errno()
+    while code := madvise(address, length, advice):
         if code not in (errno.EINTR, errno.EAGAIN):
             return code
     return 0
@@ -308,24 +329,26 @@ class Memory:
         """Huge pages (yes, no, or device: a DAX device's own page size) and why; populated
         (no, in progress, yes, unsupported, failed) and how far."""
         mapped = huge_page_bytes_at(self.populator.address)
+        made = ", made huge at the pool's creation" if self.huge.collapsible and mapped else ""
         return {
             "huge_pages": "device" if self.huge.mode == "device" else "yes" if mapped else "no",
             "huge_page_bytes": mapped,
-            "huge_page_policy": self.huge.reason,
+            "huge_page_policy": self.huge.reason + made,
             "populated": self.populator.state,
             "populated_bytes": self.populator.mapped_bytes,
         }
 
 
 def prepare(
-    fd: int, region: mmap.mmap, capacity: int, label: str, *, new: bool, fresh: bool
+    fd: int, region: Mapping, capacity: int, label: str, *, new: bool, fresh: bool
 ) -> Memory:
     """Reserve a new region's backing (or complete an existing one's), with huge pages
     where they are offered, and populate a `fresh` one (a pool about to be initialized);
     the others' pages are mapped as they are used (`Populator.ensure`).
 
     On a tmpfs mounted with huge=advise, allocating the file would take small pages,
-    so the region is populated first, through a mapping that asked for huge pages.
+    so the region is populated first, through a mapping that asked for huge pages; on
+    one that gives small pages (a plain /dev/shm), they are made huge (`collapse`).
     """
     huge = huge_pages_for(fd)
     advise_huge(region, huge)
@@ -337,10 +360,24 @@ def prepare(
             populator.run()
             if populator.state == "failed":
                 raise no_room(fd, len(region), capacity, label, errno.ENOSPC)
+        elif huge.collapsible:
+            _collapse_new(populator, label)
         reserve(fd, len(region), capacity, label)
     if fresh:
         _populate_new(populator, label)
     return Memory(huge, populator)
+
+
+def _collapse_new(populator: Populator, label: str) -> None:
+    started = time.monotonic()
+    made = populator.collapse()
+    log.info(
+        "%s: %s of %s made huge pages in %.2f s",
+        label,
+        format_size(made),
+        format_size(populator.total),
+        time.monotonic() - started,
+    )
 
 
 def _populate_new(populator: Populator, label: str) -> None:
