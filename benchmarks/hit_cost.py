@@ -25,7 +25,12 @@ before the maru hit engine: "0.8x memcpy" means the extra time is 1.25 memcpys; 
 are the paired extra and the time maru's load calls took inside the engine per hit
 (its connector's counters: the view, checks and copies, maru's own share of a hit).
 With `--busy`, another process keeps one core busy while the engines run (memcpy is
-measured without it). `python benchmarks/hit_cost.py --help`.
+measured without it). This machine's memory speed drifts by up to 3x over seconds to
+minutes (a copy-bound load slows down, compute does not), so the paired extra and the
+load calls are also set against a memcpy of a hit's bytes that the new engine's
+process runs just before each of its maru hits, in the same moment (with `--busy`,
+under the same load): the median over hits of each ratio.
+`python benchmarks/hit_cost.py --help`.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ MODEL = {
     "vocab": 8192,
 }
 BYTES_PER_TOKEN = MODEL["layers"] * 2 * MODEL["kv_heads"] * MODEL["head_dim"] * 2
+BLOCK_SIZE = 32
+"""The engines' block size (run_engine's default): a hit loads every whole block."""
 WARM_UP_TOKENS = 40
 """The engine's first prompt, its own and shorter than a block: nothing to share."""
 
@@ -87,6 +94,9 @@ def measured(run: Any, prompts: range) -> dict[str, Any]:
         "cached": [run.num_cached_tokens[i] for i in prompts],
         "token_ids": [run.token_ids[i] for i in prompts],
         "totals": [totals[i - 1 : i + 1] for i in prompts] if totals else None,
+        "memcpy_s": [run.extra["memcpy_s_before_prompt"][i] for i in prompts]
+        if run.extra["memcpy_s_before_prompt"]
+        else None,
     }
 
 
@@ -115,6 +125,7 @@ def main() -> int:
     ]
     log = model_cache().parent / "bench-engines.log"
     runs, memcpy = {}, 0.0
+    hit_bytes = args.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE * BYTES_PER_TOKEN
     try:
         for name, engine_config in engines.items():
             if name == "maru_hit":
@@ -130,6 +141,7 @@ def main() -> int:
                     max_tokens=4,
                     kv_cache_bytes=2 << 30,
                     log_path=log,
+                    memcpy_bytes=hit_bytes if name == "maru_hit" else 0,
                 )
             count = len(run.ttft_s)
             if name == "own_hit":  # the first runs stored the prompts
@@ -144,13 +156,12 @@ def main() -> int:
             store.destroy()
     own, hit, paired_own = runs["own_hit"], runs["maru_hit"], runs["maru_engine_own_hit"]
     loaded = [after["loaded_bytes"] - before["loaded_bytes"] for before, after in hit["totals"]]
-    load_s = statistics.median(
-        after["load_seconds"] - before["load_seconds"] for before, after in hit["totals"]
-    )
     extra = statistics.median(hit["ttft_s"]) - statistics.median(own["ttft_s"])
-    pairs = zip(hit["ttft_s"], paired_own["ttft_s"], strict=True)
-    paired = statistics.median(maru_hit - own_hit for maru_hit, own_hit in pairs)
     memcpy_s = statistics.median(loaded) / (memcpy * 1e9)
+    load_calls = [after["load_seconds"] - before["load_seconds"] for before, after in hit["totals"]]
+    paired_extras = [m - o for m, o in zip(hit["ttft_s"], paired_own["ttft_s"], strict=True)]
+    load_s, paired = statistics.median(load_calls), statistics.median(paired_extras)
+    beside = hit["memcpy_s"]  # a memcpy of a hit's bytes in the engine just before each hit
     report = {
         "busy": args.busy,
         "prompt_tokens": args.prompt_tokens,
@@ -172,6 +183,9 @@ def main() -> int:
         "load_calls_vs_memcpy": times_memcpy(memcpy_s, load_s),
         "extra_vs_memcpy": times_memcpy(memcpy_s, extra),
         "paired_extra_vs_memcpy": times_memcpy(memcpy_s, paired),
+        "memcpy_beside_each_hit_ms": [m * 1e3 for m in beside],
+        "paired_extra_vs_the_memcpy_beside_it": per_hit(beside, paired_extras),
+        "load_calls_vs_the_memcpy_beside_them": per_hit(beside, load_calls),
         "same_tokens_as_own_hit": all(r["token_ids"] == own["token_ids"] for r in runs.values()),
     }
     checked, unchecked = (
@@ -198,6 +212,10 @@ def main() -> int:
         f"{paired * 1e3:.1f} ms: {report['paired_extra_vs_memcpy']:.2f}x memcpy\n"
         f"maru's load calls in the engine (its own share of a hit): {load_s * 1e3:.1f} ms a hit: "
         f"{report['load_calls_vs_memcpy']:.2f}x memcpy\n"
+        f"against a memcpy of a hit's bytes in the engine just before each hit "
+        f"({statistics.median(beside) * 1e3:.1f} ms; the median over hits): paired extra "
+        f"{report['paired_extra_vs_the_memcpy_beside_it']:.2f}x, load calls "
+        f"{report['load_calls_vs_the_memcpy_beside_them']:.2f}x\n"
         f"checksum verification: hits {unchecked * 1e3:.1f} ms unverified, {checked * 1e3:.1f} ms "
         f"verified: {report['checksum_ms_per_hit']:+.1f} ms = "
         f"{report['checksum_share_of_hit'] * 100:+.1f}% of a verified hit\n"
@@ -205,6 +223,11 @@ def main() -> int:
         f"written to {args.output}"
     )
     return 0 if report["same_tokens_as_own_hit"] else 1
+
+
+def per_hit(memcpy_s: list[float], extra_s: list[float]) -> float:
+    """The median over hits of each hit's `times_memcpy` against its own memcpy."""
+    return statistics.median(times_memcpy(m, e) for m, e in zip(memcpy_s, extra_s, strict=True))
 
 
 def times_memcpy(memcpy_s: float, extra_s: float) -> float:

@@ -67,8 +67,12 @@ def test_a_second_engine_loads_the_shared_prefix_from_shm(tiny_model, baseline, 
     config = maru_config("shm", shm={"name": shm_pool})
     engine_a = run_engine(tiny_model, PROMPTS_A, kv_transfer_config=config)
     assert engine_a.external_cached_tokens == [0, 0, 0], "A's own repeats hit vLLM's cache"
-    engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config)
+    engine_b = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=config, memcpy_bytes=1 << 20)
     assert engine_b.external_cached_tokens == [SHARED, 0, 0], "then B's own cache has them"
+    memcpys = engine_b.extra["memcpy_s_before_prompt"]
+    assert len(memcpys) == len(PROMPTS_B) and all(s > 0 for s in memcpys), (
+        "the harness timed a memcpy beside each prompt (the benchmarks' baseline)"
+    )
     assert engine_b.metrics["vllm:prefix_cache_hits"] == 2 * SHARED
     assert engine_b.token_ids == baseline["B"]
     totals = engine_b.extra["connector_totals"]

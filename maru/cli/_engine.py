@@ -20,6 +20,7 @@ works without vLLM installed.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -28,9 +29,12 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from maru.cli._engine_inspect import (
     connector_description,
@@ -138,6 +142,7 @@ def start_engine(
     timeout_s: float = 900.0,
     log_path: str | os.PathLike[str] | None = None,
     reset_after: dict[str, Any] | None = None,
+    memcpy_bytes: int = 0,
 ) -> EngineProcess:
     """Start a fresh vLLM engine in a spawned process that runs `prompts`.
 
@@ -156,6 +161,10 @@ def start_engine(
     With `log_path`, the engine's output (vLLM logs, warnings) goes to that file.
     With `reset_after`, `llm.reset_prefix_cache(**reset_after)` runs once every prompt
     has, and what it returned is `extra["reset"]`.
+    With `memcpy_bytes` (sequential runs), each prompt is preceded by a single-threaded
+    memcpy of that many bytes in the engine's process, from and to memory the CPU's
+    caches do not hold, timed (`extra["memcpy_s_before_prompt"]`): a baseline next to
+    each prompt in time, on a machine whose memory speed drifts.
 
     Uses the `spawn` start method, so a calling script needs an
     `if __name__ == "__main__":` guard (pytest needs none). Raises `EngineRunError`
@@ -177,6 +186,7 @@ def start_engine(
         "llm_kwargs": dict(llm_kwargs or {}),
         "log_path": str(log_path) if log_path else None,
         "reset_after": reset_after,
+        "memcpy_bytes": memcpy_bytes,
     }
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -298,6 +308,21 @@ def _engine_child(job: dict[str, Any], send: Any, built: Any, go: Any) -> None:
         os._exit(0)
 
 
+def timed_memcpy(nbytes: int, slots: int = 4) -> Callable[[], float]:
+    """A function that copies `nbytes` once (numpy, in this thread), each call from and
+    to other memory of `slots` rotating slots, and returns the seconds it took."""
+    source, target = np.ones(slots * nbytes, np.uint8), np.ones(slots * nbytes, np.uint8)
+    turns = itertools.count()
+
+    def copy() -> float:
+        at = next(turns) % slots * nbytes
+        started = time.perf_counter()
+        np.copyto(target[at : at + nbytes], source[at : at + nbytes])
+        return time.perf_counter() - started
+
+    return copy
+
+
 def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     """Build the LLM and generate, in the child. Returns `EngineRun` fields."""
     os.environ.update(job["env"])
@@ -348,9 +373,13 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     outputs: list[Any] = []
     external: list[int | None] = []
     totals_after: list[dict[str, float]] = []
+    memcpy_s: list[float] = []
+    copy = timed_memcpy(job["memcpy_bytes"]) if job["memcpy_bytes"] else None
     t1 = time.perf_counter()
     if sequential:
         for prompt in prompts:
+            if copy:
+                memcpy_s.append(copy())
             before = prefix_metrics(llm)
             outputs.extend(llm.generate([prompt], params, use_tqdm=False))
             after = prefix_metrics(llm)
@@ -372,6 +401,7 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
         ttft.append(float(latency) if latency else None)
 
     extra: dict[str, Any] = {"vllm_version": vllm.__version__, "reset": reset}
+    extra["memcpy_s_before_prompt"] = memcpy_s
     cache_config = llm.llm_engine.vllm_config.cache_config
     extra["block_size"] = cache_config.block_size
     extra["num_gpu_blocks"] = cache_config.num_gpu_blocks
