@@ -21,7 +21,7 @@ import pytest
 
 import maru
 from maru.backends import shm
-from maru.backends._pool import memory
+from maru.backends._pool import mapping, memory
 from maru.backends._pool.attach import memory_of
 from maru.cli import main
 from maru.hugepages import HUGE_PAGE
@@ -345,3 +345,27 @@ def test_a_pool_whose_pages_cannot_be_made_huge_gets_small_ones(tmpfs, monkeypat
     assert report["populated"] == "yes"
     path = shm.shm_path("small")
     assert os.stat(path).st_blocks * 512 == os.stat(path).st_size, "reserved in full"
+
+
+def test_a_pool_maps_where_the_kernel_puts_it_when_no_space_can_be_reserved(
+    shm_dir, monkeypatch
+) -> None:
+    """Strict overcommit refuses the aligned mapping's reservation: the pool maps its
+    file unaligned, as before, and works."""
+
+    def refuse(length: int) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mapping, "reserve", refuse)
+    with maru.open_store(shm_config("unaligned", "16MiB")) as store:
+        assert store.put(b"k", b"v" * 4096) and store.get(b"k") == b"v" * 4096
+        assert memory_of(store.pool).report()["populated"] == "yes"
+
+
+def test_a_view_outlives_its_closed_store(shm_dir) -> None:
+    """The mapping stays until the last view of it is released."""
+    store = maru.open_store(shm_config("views", "16MiB"))
+    assert store.put(b"k", bytes(range(256)) * 64)
+    view = store.view(b"k")
+    store.close()
+    assert view is not None and bytes(view.data) == bytes(range(256)) * 64

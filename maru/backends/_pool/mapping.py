@@ -35,24 +35,34 @@ _libc.mmap.argtypes = (
 class Mapping:
     """The first `length` bytes of the file `fd`, mapped shared and writable at an
     address aligned to `alignment`: `view` is the region's bytes, `address` their start.
+    Where no address space can be reserved for that (strict overcommit, which ignores
+    MAP_NORESERVE), the file is mapped wherever the kernel puts it.
     """
 
     def __init__(self, fd: int, length: int, alignment: int = HUGE_PAGE) -> None:
-        self._reservation = mmap.mmap(
-            -1, length + alignment, flags=mmap.MAP_PRIVATE | MAP_NORESERVE
-        )
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self._reservation))
+        try:
+            self._owner = reserve(length + alignment)
+        except OSError:
+            self._owner = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.address = address_of(self._owner)
+            self.view = memoryview(self._owner)
+            return
+        base = address_of(self._owner)
         start = -base % alignment
-        wanted = base + start
+        self.address = base + start
         got = _libc.mmap(
-            wanted, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED, fd, 0
+            self.address,
+            length,
+            mmap.PROT_READ | mmap.PROT_WRITE,
+            mmap.MAP_SHARED | MAP_FIXED,
+            fd,
+            0,
         )
-        if got != wanted:
+        if got != self.address:
             code = ctypes.get_errno()
-            self._reservation.close()
+            self._owner.close()
             raise OSError(code, os.strerror(code))
-        self.address = wanted
-        self.view = memoryview(self._reservation)[start : start + length]
+        self.view = memoryview(self._owner)[start : start + length]
 
     def __len__(self) -> int:
         return len(self.view)
@@ -61,4 +71,15 @@ class Mapping:
         """Unmap, unless views are still exported: the last one's release unmaps."""
         with contextlib.suppress(BufferError):
             self.view.release()
-            self._reservation.close()
+            self._owner.close()
+
+
+def reserve(length: int) -> mmap.mmap:
+    """Anonymous address space to map a region into (MAP_NORESERVE: it commits no memory,
+    and the region's mapping replaces all of it that is used)."""
+    return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
+
+
+def address_of(mapping: mmap.mmap) -> int:
+    """The start address of a mapping (the temporary buffer export ends at once)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
