@@ -17,7 +17,12 @@ from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruConnectorMetadat
 from tests.conftest import stall_reservations, unique_name
 from tests.copy_queues import DeferredQueue, FailingQueue
 from tests.test_pool_checksum import corrupt
-from tests.test_transfer import anon_huge_bytes_at, thp_collapse_available
+from tests.test_transfer import (
+    anon_huge_bytes_at,
+    middle_of,
+    random_in_fresh_memory,
+    thp_collapse_available,
+)
 from tests.vllm_harness import make_kv_cache_config, make_vllm_config
 
 NB, LAYERS = 40, 3
@@ -583,13 +588,13 @@ def test_a_cpu_kv_cache_is_moved_onto_huge_pages_unless_configured_not_to(
     """As vLLM allocates a CPU cache: each layer's cache a view of one buffer, which
     maru moves onto huge pages at registration, keeping every byte."""
     per_layer = kv_caches(None)[LAYER_NAMES[0]].numel()
-    buffer = torch.randn(4 * 2**20, dtype=torch.bfloat16)  # 8 MiB, more than the layers use
-    before = buffer.clone()
+    buffer = random_in_fresh_memory((4 * 2**20,), torch.bfloat16)  # 8 MiB, more than used
+    before, huge_before = buffer.clone(), anon_huge_bytes_at(middle_of(buffer))
     caches = {
         name: buffer[i * per_layer : (i + 1) * per_layer].view(NB, 2, 32, 128)
         for i, name in enumerate(LAYER_NAMES)
     }
     worker(tiny_model, pool, caches, settings={"kv_cache_huge_pages": moved})
     assert torch.equal(buffer, before)
-    huge = anon_huge_bytes_at(buffer.data_ptr() + buffer.nbytes // 2)
-    assert huge >= 4 * 2**20 if moved and thp_collapse_available() else huge == 0
+    huge = anon_huge_bytes_at(middle_of(buffer))
+    assert huge >= 4 * 2**20 if moved and thp_collapse_available() else huge == huge_before

@@ -3,6 +3,8 @@ device, loads complete layer by layer, and devices it cannot handle are refused.
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import re
 from pathlib import Path
@@ -196,17 +198,29 @@ def thp_collapse_available() -> bool:
     return enabled.exists() and "[never]" not in enabled.read_text() and release >= (6, 1)
 
 
+def random_in_fresh_memory(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random values in an anonymous mapping of their own, on small pages unless THP is
+    `always` (malloc could hand back memory an earlier test put on huge pages)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    tensor = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype)
+    return tensor.copy_(torch.randn(tensor.shape, dtype=dtype)).view(shape)
+
+
+def middle_of(tensor: torch.Tensor) -> int:
+    """An address inside a tensor's memory (madvise splits a mapping around its range)."""
+    return tensor.data_ptr() + tensor.nbytes // 2
+
+
 def test_a_cpu_cache_is_put_on_huge_pages_with_its_contents_kept() -> None:
     """torch gives a CPU KV cache 4 KiB pages (unless THP is `always`), and each costs
     maru's copies into the cache a TLB miss; maru moves the cache onto 2 MiB pages."""
     blocks = 256
-    cache = torch.randn(2, blocks, 4, 32, 64)  # 16 MiB
-    before = cache.clone()
+    cache = random_in_fresh_memory((2, blocks, 4, 32, 64), torch.float32)  # 16 MiB
+    before, huge_before = cache.clone(), anon_huge_bytes_at(middle_of(cache))
     path = DataPath(recognise({"layer0": cache}, blocks, [KVFirst, BlocksFirst]))
     moved = put_caches_on_huge_pages([path])
     assert torch.equal(cache, before)
-    middle = cache.data_ptr() + cache.nbytes // 2  # madvise split the mapping around it
     if thp_collapse_available():
-        assert moved >= 12 * 2**20 and anon_huge_bytes_at(middle) >= moved
+        assert moved >= 12 * 2**20 and anon_huge_bytes_at(middle_of(cache)) >= moved
     else:
-        assert (moved, anon_huge_bytes_at(middle)) == (0, 0)
+        assert (moved, anon_huge_bytes_at(middle_of(cache))) == (0, huge_before)
