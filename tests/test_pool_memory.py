@@ -356,7 +356,7 @@ def test_a_pool_maps_where_the_kernel_puts_it_when_no_space_can_be_reserved(
     def refuse(length: int) -> None:
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(mapping, "reserve", refuse)
+    monkeypatch.setattr(mapping, "address_space", refuse)
     with maru.open_store(shm_config("unaligned", "16MiB")) as store:
         assert store.put(b"k", b"v" * 4096) and store.get(b"k") == b"v" * 4096
         assert memory_of(store.pool).report()["populated"] == "yes"

@@ -23,7 +23,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from maru.backends._pool import Geometry, PoolBackend, PoolOptions, RegionSpec, reserve
+from maru.backends._pool import (
+    Geometry,
+    PoolBackend,
+    PoolOptions,
+    RegionSpec,
+    address_of,
+    reserve,
+)
 from maru.backends.shm import FileMode, PoolName, shm_path
 from maru.config import Size
 from maru.errors import BackendError, ConfigError
@@ -252,7 +259,7 @@ def _syscall(name: str) -> tuple[Any, int]:
 def bind_to_node(region: Any, node: int) -> None:
     """Bind the pages of a mapping to one NUMA node (before they are touched)."""
     syscall, number = _syscall("mbind")
-    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    address = address_of(region)
     mask = (ctypes.c_ulong * 16)()
     mask[node // 64] = 1 << (node % 64)
     result = syscall(
@@ -272,7 +279,7 @@ def bind_to_node(region: Any, node: int) -> None:
 def memory_policy(region: Any) -> tuple[int, list[int]]:
     """(policy, nodes) the kernel applies to the start of a mapping."""
     syscall, number = _syscall("get_mempolicy")
-    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    address = address_of(region)
     policy, mask = ctypes.c_int(), (ctypes.c_ulong * 16)()
     if (
         syscall(

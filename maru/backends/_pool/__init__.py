@@ -13,6 +13,7 @@ the data. There is no server: processes coordinate through the region and
 - `checksum`: the per-object checksum (on unless `checksum: false`);
 - `core`: `Pool`, which composes them into reserve/commit/read/contains/...;
 - `attach`: creating, mapping and sharing a region within a process;
+- `mapping`: a region's file mapped at a huge-page boundary;
 - `memory`: backing, population and huge pages of a mapping;
 - `audit`: the derived state recomputed and compared, for tests and tools;
 - `backend`: `PoolBackend`, the Backend contract over a Pool.
@@ -24,6 +25,7 @@ this module exports, and code outside `maru/backends/` asks the Backend instead.
 from maru.backends._pool.attach import RegionSpec, memory_of
 from maru.backends._pool.backend import PoolBackend, PoolOptions
 from maru.backends._pool.core import Pool
+from maru.backends._pool.mapping import address_of
 from maru.backends._pool.memory import reserve
 from maru.backends._pool.region import Geometry
 
@@ -33,6 +35,7 @@ __all__ = [
     "PoolBackend",
     "PoolOptions",
     "RegionSpec",
+    "address_of",
     "memory_of",
     "reserve",
 ]

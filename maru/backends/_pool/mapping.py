@@ -41,7 +41,7 @@ class Mapping:
 
     def __init__(self, fd: int, length: int, alignment: int = HUGE_PAGE) -> None:
         try:
-            self._owner = reserve(length + alignment)
+            self._owner = address_space(length + alignment)
         except OSError:
             self._owner = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self.address = address_of(self._owner)
@@ -74,12 +74,12 @@ class Mapping:
             self._owner.close()
 
 
-def reserve(length: int) -> mmap.mmap:
+def address_space(length: int) -> mmap.mmap:
     """Anonymous address space to map a region into (MAP_NORESERVE: it commits no memory,
     and the region's mapping replaces all of it that is used)."""
     return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
 
 
-def address_of(mapping: mmap.mmap) -> int:
-    """The start address of a mapping (the temporary buffer export ends at once)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+def address_of(memory: mmap.mmap | memoryview) -> int:
+    """The start address of writable memory (the temporary buffer export ends at once)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(memory))
