@@ -8,9 +8,10 @@ A chunk's object payload holds, layer after layer and segment after segment,
 one row of `run_bytes` per block (see `maru.layouts`). Per chunk and layer:
 
 - on the CPU, each run of consecutive blocks (usually all of a chunk's) moves as
-  one slice copy each way, straight between the cache and store memory, in the
-  calling thread (numpy's copy: torch's splits a large copy across its intra-op
-  threads, and stalls whenever another thread or process holds a core);
+  one slice copy each way, straight between the cache and store memory (numpy's
+  copy: torch's splits a large copy across its intra-op threads, and stalls whenever
+  another thread or process holds a core); a load's chunks are shared between the
+  calling thread and a helper thread that takes only chunks nobody has started;
 - on a device with streams (CUDA), the blocks are gathered or scattered on the
   device with index tensors that live there, and the layer crosses to or from
   host memory in one transfer on a side stream. Host memory must be pinned:
@@ -25,7 +26,7 @@ import ctypes
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ import torch
 
 from maru.backends.base import Hashing
 from maru.errors import MaruError
+from maru.helper_thread import helper
 from maru.hugepages import put_on_huge_pages
 from maru.layouts import LayoutAdapter
 from maru.log import get_logger
@@ -275,23 +277,32 @@ class DataPath:
 
     def load(self, chunks: Sequence[ChunkCopy]) -> set[int]:
         """Queue every chunk's pages into its blocks, layer after layer; the indexes of
-        the chunks whose copies could not be issued (their blocks hold nothing usable)."""
-        failed: set[int] = set()
+        the chunks whose copies could not be issued (their blocks hold nothing usable).
+        Where copies run at once (the CPU), chunks are copied whole, each by this thread
+        or the helper thread (`maru.helper_thread`): two copy at memory speed."""
         self.queue.after_compute()
+        if self.queue.synchronous:
+            outcomes = helper().share([partial(self._load_chunk, chunk) for chunk in chunks])
+            failures = {index: exc for index, exc in enumerate(outcomes) if exc is not None}
+            for exc in failures.values():
+                _log_copy_failure(exc)
+            return set(failures)
+        failed: set[int] = set()
         for name in self.adapter.layers:
             for index, chunk in enumerate(chunks):
                 if index not in failed:
                     try:
                         self.queue.run(lambda n=name, c=chunk: self._load_layer(n, c))
                     except Exception as exc:
-                        log.error(
-                            "maru: copying a chunk into the KV cache failed: %s: %s",
-                            type(exc).__name__,
-                            exc,
-                        )
+                        _log_copy_failure(exc)
                         failed.add(index)
             self._layer_loaded[name] = self.queue.mark()
         return failed
+
+    def _load_chunk(self, chunk: ChunkCopy) -> None:
+        """All of a chunk's layers, in order (its hasher is fed in order)."""
+        for name in self.adapter.layers:
+            self.queue.run(lambda n=name: self._load_layer(n, chunk))
 
     def wait_layer(self, name: str) -> None:
         """Make the forward wait for this layer's loads (the other layers go on)."""
@@ -319,7 +330,7 @@ class DataPath:
 
     def _copy_on_cpu(self, name: str, chunk: ChunkCopy, load: bool) -> None:
         """One layer of a chunk between the cache and its payload, each run of consecutive
-        blocks one slice copy per segment, in the calling thread: numpy, whose slices
+        blocks one slice copy per segment, in the running thread: numpy, whose slices
         cost a fraction of a microsecond (torch's cost several, and its copies split
         across intra-op threads that stall when another thread or process holds a core).
         A load feeds each segment's rows to the chunk's hasher just after copying them,
@@ -364,6 +375,10 @@ class DataPath:
             source, target = widest(segment.view, out)
             torch.index_select(source, 0, chunk.blocks.on(self.device), out=target)
         rows.copy_(gathered, non_blocking=True)
+
+
+def _log_copy_failure(exc: Exception) -> None:
+    log.error("maru: copying a chunk into the KV cache failed: %s: %s", type(exc).__name__, exc)
 
 
 def put_caches_on_huge_pages(paths: Iterable[DataPath]) -> int:

@@ -3,10 +3,12 @@ device, loads complete layer by layer, and devices it cannot handle are refused.
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,46 @@ def test_a_cpu_load_feeds_its_hasher_the_whole_payload_in_order(
     assert loader.load([ChunkCopy(Blocks(ids), payload, 3, first, hasher)]) == set()
     assert hasher.fed == payload.numel()
     assert hasher.checksum() == checksum(memoryview(payload.numpy()))
+
+
+def test_chunks_loaded_together_each_feed_their_own_hasher_in_order() -> None:
+    """The calling thread and the helper share a load's chunks: each chunk is still
+    copied whole, layer after layer, so each hasher sees its payload in order."""
+    row = "0.26 (NB,H,BS,2D) HND"
+    source, target = caches(row, 1, "cpu"), caches(row, 100, "cpu")
+    saver = DataPath(recognise(source, NB, BUILTINS))
+    payloads = [save_chunk(saver, [block]) for block in range(8)]
+    hashers = [Hasher() for _ in payloads]
+    chunks = [
+        ChunkCopy(Blocks([NB - 1 - i]), payload, 1, hasher=hasher)
+        for i, (payload, hasher) in enumerate(zip(payloads, hashers, strict=True))
+    ]
+    assert DataPath(recognise(target, NB, BUILTINS)).load(chunks) == set()
+    for i, (payload, hasher) in enumerate(zip(payloads, hashers, strict=True)):
+        assert hasher.checksum() == checksum(memoryview(payload.numpy()))
+        assert all(torch.equal(page(target[n], NB - 1 - i), page(source[n], i)) for n in target)
+
+
+def test_a_cpu_load_shares_its_chunks_with_the_helper_thread(monkeypatch) -> None:
+    """Two chunks whose first layers can only be copied together: two threads load them."""
+    row = "0.26 (NB,H,BS,2D) HND"
+    source, target = caches(row, 1, "cpu"), caches(row, 100, "cpu")
+    saver = DataPath(recognise(source, NB, BUILTINS))
+    chunks = [ChunkCopy(Blocks([b + 6]), save_chunk(saver, [b]), 1) for b in (0, 1)]
+    together, threads = threading.Barrier(2, timeout=30), set()
+    copy_layer = DataPath._load_layer
+
+    def copy_beside_the_other(path: DataPath, name: str, chunk: ChunkCopy) -> None:
+        if name == "layer0":
+            threads.add(threading.current_thread().name)
+            together.wait()
+        copy_layer(path, name, chunk)
+
+    monkeypatch.setattr(DataPath, "_load_layer", copy_beside_the_other)
+    assert DataPath(recognise(target, NB, BUILTINS)).load(chunks) == set()
+    assert len(threads) == 2
+    for name, block in itertools.product(target, (0, 1)):
+        assert torch.equal(page(target[name], block + 6), page(source[name], block))
 
 
 def test_loads_complete_layer_by_layer() -> None:

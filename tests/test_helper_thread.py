@@ -1,0 +1,72 @@
+"""Work shared with a helper thread: every task runs once, both threads take tasks, a
+helper that gets no core never holds the caller up, and a forked child has its own."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from maru.helper_thread import HelperThread, helper
+
+WAIT_S = 30
+"""How long a test waits for a thread it needs before it fails (never reached when
+the code is right)."""
+
+
+def test_every_task_runs_once_and_failures_come_back_by_index() -> None:
+    ran: list[int] = []
+
+    def task(index: int):
+        def run() -> None:
+            ran.append(index)
+            if index % 3 == 0:
+                raise ValueError(f"task {index}")
+
+        return run
+
+    outcomes = HelperThread().share([task(i) for i in range(10)])
+    assert sorted(ran) == list(range(10))
+    assert [str(exc) if exc else None for exc in outcomes] == [
+        f"task {i}" if i % 3 == 0 else None for i in range(10)
+    ]
+
+
+def test_the_helper_takes_tasks_beside_the_caller() -> None:
+    """Two tasks that can only finish together: each must run on a thread of its own."""
+    together = threading.Barrier(2, timeout=WAIT_S)
+    names: set[str] = set()
+
+    def task() -> None:
+        names.add(threading.current_thread().name)
+        together.wait()
+
+    assert HelperThread(name="the-helper").share([task, task]) == [None, None]
+    assert names == {threading.current_thread().name, "the-helper"}
+
+
+def test_a_helper_without_a_core_never_holds_the_caller_up() -> None:
+    """The helper is stuck in other work: the caller runs every task itself."""
+    shared, release = HelperThread(), threading.Event()
+    shared.share([lambda: None, lambda: release.wait(WAIT_S)])  # leaves the helper waiting
+    names: list[str] = []
+    try:
+        outcomes = shared.share([lambda: names.append(threading.current_thread().name)] * 5)
+    finally:
+        release.set()
+    assert outcomes == [None] * 5 and set(names) == {threading.current_thread().name}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+def test_a_forked_child_shares_with_a_helper_of_its_own() -> None:
+    helper().share([lambda: None, lambda: None])  # the parent's helper has started
+    pid = os.fork()
+    if pid == 0:
+        together = threading.Barrier(2, timeout=WAIT_S)
+        try:
+            ok = helper().share([together.wait, together.wait]) == [None, None]
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
