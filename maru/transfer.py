@@ -247,6 +247,8 @@ class DataPath:
         self.device: torch.device = first_segment.view.device
         self.queue = queue or queue_for(self.device)
         self.on_device = self.device.type != "cpu"
+        if self.queue.synchronous:
+            helper()  # started now, so that the first load costs what later ones do
         self._layer_loaded: dict[str, Marker] = {}
         self._bytes_before = adapter.layer_offsets(1)
         """Per layer: bytes of the layers before it, per stored block."""
