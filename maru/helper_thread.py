@@ -1,7 +1,8 @@
 """Work shared between the calling thread and one helper thread.
 
-A single thread copying a hit into a CPU KV cache (and hashing it as it goes) runs
-at a fraction of what the memory can do; two run it at memory speed. An intra-op
+One thread copying a hit into a CPU KV cache (and hashing it as it goes) gets a
+fraction of what the memory can do: two copied a hit's objects 1.6x as fast as one
+memcpy of them, on a 2-core VM (README, "What a hit costs"). An intra-op
 thread pool splits work up front, so the caller waits whenever a pool thread has no
 core (another process, vLLM's own threads). Here the caller works through the tasks
 itself and the helper only takes those nobody has started: a helper that gets no

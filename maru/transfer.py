@@ -281,7 +281,7 @@ class DataPath:
         """Queue every chunk's pages into its blocks, layer after layer; the indexes of
         the chunks whose copies could not be issued (their blocks hold nothing usable).
         Where copies run at once (the CPU), chunks are copied whole, each by this thread
-        or the helper thread (`maru.helper_thread`): two copy at memory speed."""
+        or the helper thread (`maru.helper_thread`), where it has a core to spare."""
         self.queue.after_compute()
         if self.queue.synchronous:
             outcomes = helper().share([partial(self._load_chunk, chunk) for chunk in chunks])
