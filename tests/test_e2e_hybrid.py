@@ -45,8 +45,9 @@ KINDS = {
     "all_sliding_window": Kind(1, options={"llm_kwargs": FLOAT32}),
     # vLLM's CPU Mamba scan in align mode: a block per step
     "mamba": Kind(2, options={"llm_kwargs": FLOAT32, "max_num_batched_tokens": 32}),
-    # vLLM raises the block size to 96 to fit the delta net's state; CPU GDN is bf16 only
-    "linear_attention": Kind(2, 96, {"max_num_batched_tokens": 96}),
+    # vLLM raises the block size to fit the delta net's state, by how much depends on the
+    # CPU (64 on an AVX2 EPYC, 96 where this was written): 96 everywhere. CPU GDN is bf16
+    "linear_attention": Kind(2, 96, {"max_num_batched_tokens": 96, "block_size": 96}),
 }
 
 
