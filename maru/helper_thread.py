@@ -7,16 +7,10 @@ thread pool splits work up front, so the caller waits whenever a pool thread has
 core (another process, vLLM's own threads). Here the caller works through the tasks
 itself and the helper only takes those nobody has started: a helper that gets no
 core leaves the caller doing everything, never waiting for work not begun.
-
-A thread starts pinned where the thread that started it is. vLLM's CPU workers run
-under an OpenMP runtime that pins the calling thread to one CPU (`vllm serve`: torch's
-libgomp preloaded, `GOMP_CPU_AFFINITY`), so the helper moves itself to the process's
-other CPUs before its first task (see `move_off_the_starters_cpu`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import queue
@@ -32,11 +26,8 @@ class HelperThread:
         threading.Thread(target=self._serve, name=name, daemon=True).start()
 
     def _serve(self) -> None:
-        placed = False
         while True:
-            job = self._jobs.get()
-            placed = placed or move_off_the_starters_cpu()
-            job()
+            self._jobs.get()()
 
     def share(self, tasks: Sequence[Callable[[], None]]) -> list[Exception | None]:
         """Run every task once, each on this thread or the helper, in any order; each
@@ -59,33 +50,6 @@ class HelperThread:
         for _ in tasks:
             done.acquire()
         return outcomes
-
-
-def move_off_the_starters_cpu() -> bool:
-    """Where this thread is pinned to one CPU (as it inherited from the thread that
-    started it), let it run on the CPUs the process's other threads may use instead;
-    whether that is settled. Not yet where no other thread has another CPU (an OpenMP
-    runtime starts its threads at its first parallel work)."""
-    if not hasattr(os, "sched_getaffinity"):
-        return True
-    mine = os.sched_getaffinity(0)
-    if len(mine) > 1:
-        return True
-    others = process_cpus() - mine
-    if not others:
-        return False
-    with contextlib.suppress(OSError):  # a CPU set restricted meanwhile: stay
-        os.sched_setaffinity(0, others)
-    return True
-
-
-def process_cpus() -> set[int]:
-    """The CPUs any thread of this process may run on."""
-    cpus: set[int] = set()
-    for thread in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # it ended meanwhile
-            cpus |= os.sched_getaffinity(int(thread))
-    return cpus
 
 
 _helper: HelperThread | None = None

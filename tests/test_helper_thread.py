@@ -3,15 +3,10 @@ helper that gets no core never holds the caller up, and a forked child has its o
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
-import torch
 
 from maru.helper_thread import HelperThread, helper
 
@@ -75,50 +70,3 @@ def test_a_forked_child_shares_with_a_helper_of_its_own() -> None:
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-
-
-PINNED_CHILD = """
-import json, os, threading, torch
-torch.ones(256, 256) @ torch.ones(256, 256)  # the OpenMP runtime starts its threads
-from maru.helper_thread import HelperThread
-together, seen = threading.Barrier(2, timeout=30), {}
-def task():
-    seen[threading.current_thread().name] = sorted(os.sched_getaffinity(0))
-    together.wait()
-HelperThread(name="helper").share([task, task])
-print(json.dumps([seen["MainThread"], seen["helper"]]))
-"""
-
-
-def openmp_binding(cpus: list[int]) -> dict[str, str]:
-    """The environment vLLM's CPU executor gives a worker bound to `cpus`
-    (`vllm.utils.ompmultiprocessing`): Intel's OpenMP where it is preloaded (the era
-    lanes of vLLM 0.18), else torch's libgomp, preloaded as vLLM does."""
-    preload = os.environ.get("LD_PRELOAD", "")
-    if "libiomp" in preload:
-        listed = ",".join(map(str, cpus))
-        return {"KMP_AFFINITY": f"granularity=fine,explicit,proclist=[{listed}]"}
-    torch_dir = Path(torch.__file__).parent
-    libgomp = sorted(
-        [*torch_dir.glob("lib/libgomp*.so*"), *torch_dir.parent.glob("torch.libs/libgomp*.so*")]
-    )
-    assert libgomp, f"no libgomp in {torch_dir}: torch's OpenMP runtime is not where vLLM looks"
-    return {
-        "LD_PRELOAD": ":".join(filter(None, [preload, str(libgomp[0])])),
-        "GOMP_CPU_AFFINITY": " ".join(map(str, cpus)),
-    }
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin apart")
-def test_the_helper_leaves_the_cpu_openmp_pinned_its_starter_to() -> None:
-    """As in vLLM's CPU worker under `vllm serve`: its OpenMP runtime pins the main
-    thread to the first CPU, which a thread it starts inherits."""
-    cpus = sorted(os.sched_getaffinity(0))[:2]
-    env = {**os.environ, "OMP_NUM_THREADS": "2", **openmp_binding(cpus)}
-    child = subprocess.run(
-        [sys.executable, "-c", PINNED_CHILD], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert child.returncode == 0, child.stderr
-    main, helper_cpus = json.loads(child.stdout)
-    assert main == cpus[:1], "the OpenMP runtime pinned the main thread"
-    assert cpus[0] not in helper_cpus and cpus[1] in helper_cpus
