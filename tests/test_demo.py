@@ -68,7 +68,7 @@ def test_the_demo_says_false_and_fails_when_a_stored_chunk_is_corrupted(
     monkeypatch.setattr(maru.cli.demo, "run_demo", corrupting)
     code = main(["demo", "--config", config, "--prompt-tokens", "513"])
     out, err = capsys.readouterr()
-    assert "tokens engine B loaded from maru: 512" in out, err
+    assert "tokens engine B loaded from maru: 512" in out, f"the demo failed: {err}"
     assert "outputs identical (engine B's maru hit vs engine A's own cache hit): False" in out
     assert code == 1
 

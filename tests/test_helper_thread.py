@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import threading
 
-import pytest
-
 from maru.helper_thread import HelperThread, helper
 
 WAIT_S = 30
@@ -58,7 +56,6 @@ def test_a_helper_without_a_core_never_holds_the_caller_up() -> None:
     assert outcomes == [None] * 5 and set(names) == {threading.current_thread().name}
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
 def test_a_forked_child_shares_with_a_helper_of_its_own() -> None:
     helper().share([lambda: None, lambda: None])  # the parent's helper has started
     pid = os.fork()
