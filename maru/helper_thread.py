@@ -6,7 +6,9 @@ memcpy of them, on a 2-core VM (README, "What a hit costs"). An intra-op
 thread pool splits work up front, so the caller waits whenever a pool thread has no
 core (another process, vLLM's own threads). Here the caller works through the tasks
 itself and the helper only takes those nobody has started: a helper that gets no
-core leaves the caller doing everything, never waiting for work not begun.
+core leaves the caller doing everything, never waiting for work not begun. A caller
+bound to one CPU (vLLM's CPU worker under `vllm serve`, pinned by its OpenMP
+settings) does every task itself: a helper there could only take turns with it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class HelperThread:
             self._jobs.get()()
 
     def share(self, tasks: Sequence[Callable[[], None]]) -> list[Exception | None]:
-        """Run every task once, each on this thread or the helper, in any order; each
-        task's exception (or None), by index. Returns once all are done."""
+        """Run every task once, each on this thread or the helper (never where this
+        thread may run on one CPU only), in any order; each task's exception (or None),
+        by index. Returns once all are done."""
         outcomes: list[Exception | None] = [None] * len(tasks)
         turns = itertools.count()  # next() hands out each index once, in any thread
         done = threading.Semaphore(0)
@@ -44,7 +47,7 @@ class HelperThread:
                     outcomes[index] = exc
                 done.release()
 
-        if len(tasks) > 1:
+        if len(tasks) > 1 and len(os.sched_getaffinity(0)) > 1:  # this thread's CPUs
             self._jobs.put(work)
         work()
         for _ in tasks:

@@ -1,5 +1,6 @@
 """Work shared with a helper thread: every task runs once, both threads take tasks, a
-helper that gets no core never holds the caller up, and a forked child has its own."""
+helper that gets no core never holds the caller up, a caller bound to one CPU works
+alone, and a forked child has its own."""
 
 from __future__ import annotations
 
@@ -45,15 +46,45 @@ def test_the_helper_takes_tasks_beside_the_caller() -> None:
 
 
 def test_a_helper_without_a_core_never_holds_the_caller_up() -> None:
-    """The helper is stuck in other work: the caller runs every task itself."""
-    shared, release = HelperThread(), threading.Event()
-    shared.share([lambda: None, lambda: release.wait(WAIT_S)])  # leaves the helper waiting
+    """The helper is stuck in another caller's task: this caller runs every task itself."""
+    shared, held, release = HelperThread(name="the-helper"), threading.Event(), threading.Event()
+    together = threading.Barrier(2, timeout=WAIT_S)
+
+    def hold_the_helper() -> None:
+        together.wait()  # one task on each thread
+        if threading.current_thread().name == "the-helper":
+            held.set()
+            release.wait(WAIT_S)
+
+    other = threading.Thread(target=shared.share, args=([hold_the_helper] * 2,))
+    other.start()
     names: list[str] = []
     try:
+        assert held.wait(WAIT_S)
         outcomes = shared.share([lambda: names.append(threading.current_thread().name)] * 5)
     finally:
         release.set()
+        other.join(WAIT_S)
     assert outcomes == [None] * 5 and set(names) == {threading.current_thread().name}
+
+
+def test_a_caller_bound_to_one_cpu_runs_every_task_itself() -> None:
+    """vLLM's pinned CPU worker: the first task pauses, which a helper free to run would
+    use to take the second (a helper on the caller's only CPU just takes turns)."""
+    shared, names, outcomes = HelperThread(), [], []
+
+    def record() -> None:
+        names.append(threading.current_thread().name)
+
+    def pinned_caller() -> None:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread only
+        pause = threading.Event()
+        outcomes.extend(shared.share([lambda: pause.wait(0.5), record, record]))
+
+    caller = threading.Thread(target=pinned_caller, name="pinned-caller")
+    caller.start()
+    caller.join(WAIT_S)
+    assert outcomes == [None] * 3 and names == ["pinned-caller"] * 2
 
 
 def test_a_forked_child_shares_with_a_helper_of_its_own() -> None:
