@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from maru.helper_thread import HelperThread, helper
 
@@ -78,8 +79,7 @@ def test_a_caller_bound_to_one_cpu_runs_every_task_itself() -> None:
 
     def pinned_caller() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # this thread only
-        pause = threading.Event()
-        outcomes.extend(shared.share([lambda: pause.wait(0.5), record, record]))
+        outcomes.extend(shared.share([lambda: time.sleep(0.5), record, record]))
 
     caller = threading.Thread(target=pinned_caller, name="pinned-caller")
     caller.start()
