@@ -183,8 +183,20 @@ def pool_names():
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A test marked cuda fails, saying what it needs, on a machine without a GPU (the
-    Makefile leaves them out there)."""
+    """A test marked cuda fails, saying what it needs, on a machine without a GPU, and
+    one marked vllm_feature on a vLLM release without that feature (the Makefile leaves
+    them out there)."""
+    feature = item.get_closest_marker("vllm_feature")
+    if feature is not None:
+        from maru.vllm.compat import vllm_version
+        from tests.vllm_harness import vllm_features
+
+        if not vllm_features()[feature.args[0]]:
+            pytest.fail(
+                f"needs a vLLM with {feature.args[0]}, which vLLM {vllm_version()} lacks: "
+                "run it on .venv's vLLM (`make check`), or leave it out with "
+                "-m 'not vllm_feature' as `make test` does on the older releases"
+            )
     if item.get_closest_marker("cuda") is not None:
         import torch
 

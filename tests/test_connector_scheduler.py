@@ -563,9 +563,7 @@ def test_without_its_workers_layout_it_neither_looks_up_nor_saves(harness, caplo
     assert "no worker has said its KV layout yet" in caplog.text
 
 
-@pytest.mark.skipif(
-    vllm_harness.compat_worker_meta() is None, reason="this vLLM has no per-connector channel"
-)
+@pytest.mark.vllm_feature(vllm_harness.WORKER_CHANNEL)
 def test_the_layout_arrives_on_the_per_connector_worker_channel(harness) -> None:
     """What MultiConnector passes to each child, whatever the handshake was."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata

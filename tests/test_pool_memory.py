@@ -1,8 +1,8 @@
 """The memory behind a pool: reserved at creation, never a SIGBUS, populated ahead of
 use, huge pages where the filesystem offers them.
 
-Most tests mount a small tmpfs of their own, which needs root (the tests run as
-root; elsewhere they are skipped, saying so).
+Most tests mount a small tmpfs of their own, which needs root (CI runs as root;
+elsewhere they fail, saying how to run them).
 """
 
 from __future__ import annotations

@@ -11,15 +11,10 @@ import logging
 
 import pytest
 
-from maru.vllm import compat
 from maru.vllm.metadata import NULL_BLOCK
-from tests.vllm_harness import SchedulerHarness
+from tests.vllm_harness import PER_REQUEST_FAILURES, SchedulerHarness, vllm_features
 
-HYBRID_LOADS = compat.has_hook("get_transfer_results")
-"""This vLLM takes a failed load of one request on a model of several groups."""
-needs_hybrid_loads = pytest.mark.skipif(
-    not HYBRID_LOADS, reason="this vLLM takes no per-request load failures (tested below)"
-)
+needs_hybrid_loads = pytest.mark.vllm_feature(PER_REQUEST_FAILURES)
 
 
 def tokens(count: int, start: int = 1) -> list[int]:
@@ -152,13 +147,16 @@ def test_a_failed_hybrid_load_is_a_recompute_and_is_not_tried_again(harness) -> 
     assert h.connector.scheduler.failed_loads == set()
 
 
-@pytest.mark.skipif(HYBRID_LOADS, reason="this vLLM takes per-request load failures")
-def test_without_per_request_failures_a_hybrid_turns_the_connector_off(harness, caplog):
+def test_a_hybrid_is_served_only_where_vllm_takes_per_request_failures(harness, caplog):
+    """Elsewhere the connector turns itself off, saying why (on every release)."""
     with caplog.at_level(logging.ERROR, logger="vllm.maru"):
         h = harness(groups=("full", "window"))
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1 and "cannot take a failed load of one request" in errors[0], errors
-    assert h.connector.scheduler.store.disabled
+    if vllm_features()[PER_REQUEST_FAILURES]:
+        assert errors == [] and not h.connector.scheduler.store.disabled
+    else:
+        assert len(errors) == 1 and "cannot take a failed load of one request" in errors[0]
+        assert h.connector.scheduler.store.disabled
 
 
 @needs_hybrid_loads

@@ -9,20 +9,16 @@ import pytest
 import torch
 
 from maru.connector import MaruKVConnector
-from maru.vllm import compat
 from maru.vllm.metadata import ChunkTransfer, MaruConnectorMetadata
 from tests.conftest import unique_name
-from tests.vllm_harness import make_kv_cache_config, make_vllm_config
+from tests.vllm_harness import PER_REQUEST_FAILURES, make_kv_cache_config, make_vllm_config
 
 NB, PAGE, STATE = 24, 16384, 96 * 3 * 4 + 4 * 32 * 16 * 4
 """Blocks, the padded page (an attention page of (2, 32, 128) bf16), the state's bytes
 (`tests.vllm_harness.group_spec("state")`)."""
 
-pytestmark = pytest.mark.skipif(
-    not compat.has_hook("get_transfer_results"),
-    reason="this vLLM takes no per-request load failures: no hybrid is served "
-    "(tests/test_scheduler_groups.py checks it says so)",
-)
+pytestmark = pytest.mark.vllm_feature(PER_REQUEST_FAILURES)
+"""Older releases serve no hybrid (tests/test_scheduler_groups.py checks they say so)."""
 
 
 def caches(seed: int | None) -> dict[str, torch.Tensor]:

@@ -117,12 +117,23 @@ def request_parameters() -> set[str]:
     return set(inspect.signature(Request).parameters)
 
 
-def compat_worker_meta() -> Any:
-    """vLLM's per-connector worker metadata class; None where the release has none."""
+PER_REQUEST_FAILURES = "per-request load failures"
+"""vLLM takes a failed load of one request (`get_transfer_results`), which serving a
+model of several KV cache groups needs (0.31 and later)."""
+WORKER_CHANNEL = "a per-connector worker channel"
+"""vLLM carries each connector's worker metadata (`KVConnectorWorkerMetadata`), what
+MultiConnector passes to each child."""
+
+
+def vllm_features() -> dict[str, bool]:
+    """Which features a test can ask for with `@pytest.mark.vllm_feature(NAME)` this vLLM
+    release has, by NAME."""
     from maru.vllm import compat
 
-    worker_meta = compat.KVConnectorWorkerMetadata
-    return None if worker_meta is object else worker_meta
+    return {
+        PER_REQUEST_FAILURES: compat.has_hook("get_transfer_results"),
+        WORKER_CHANNEL: compat.KVConnectorWorkerMetadata is not object,
+    }
 
 
 def failures(req_ids: set[str]) -> dict[str, set[str]]:
