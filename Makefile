@@ -20,11 +20,11 @@ GPU_NOTE := $(if $(HAVE_GPU),true,echo "no NVIDIA GPU here (no nvidia-smi): the 
 # What each release runs: the quick lane (every test but the slow ones: the layouts, the
 # real Scheduler, the worker, and all that needs no vLLM), and on engines the era check;
 # the CUDA wheel leaves out what needs vLLM to resolve this CPU machine (marker platform),
-# and the engine releases (older than per-request load failures and the per-connector
-# worker channel) what needs those (marker vllm_feature; each has a test of its own
-# asserting what such a release does instead).
+# and the engine releases (older than per-request load failures) the hybrid tests that
+# need them (marker hybrid_loads; tests/test_scheduler_groups.py asserts there that a
+# hybrid turns the connector off).
 ERA_TESTS        := -m "not slow and not platform $(NOT_CUDA)"
-ERA_ENGINE_TESTS := -m "(not slow or era) and not vllm_feature $(NOT_CUDA)"
+ERA_ENGINE_TESTS := -m "(not slow or era) and not hybrid_loads $(NOT_CUDA)"
 
 .PHONY: check test test-eras eras demo bench bench-gpu lint venv clean redis-server tcmalloc
 

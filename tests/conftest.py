@@ -182,21 +182,32 @@ def pool_names():
         shm_path(name).unlink(missing_ok=True)
 
 
+VLLM_FEATURES = {
+    "hybrid_loads": "a vLLM that takes a failed load of one request (get_transfer_results, "
+    "0.31 and later), which serving a model of several KV cache groups needs",
+    "worker_channel": "a vLLM with a per-connector worker channel (KVConnectorWorkerMetadata)",
+}
+"""Markers of tests that need what older vLLM releases lack (`tests.vllm_harness.vllm_features`
+says whether this one has it)."""
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test marked cuda fails, saying what it needs, on a machine without a GPU, and
-    one marked vllm_feature on a vLLM release without that feature (the Makefile leaves
-    them out there)."""
-    feature = item.get_closest_marker("vllm_feature")
-    if feature is not None:
+    one marked with a VLLM_FEATURES marker on a vLLM release without the feature (the
+    Makefile leaves them out there)."""
+    needed = [name for name in VLLM_FEATURES if item.get_closest_marker(name) is not None]
+    if needed:
         from maru.vllm.compat import vllm_version
         from tests.vllm_harness import vllm_features
 
-        if not vllm_features()[feature.args[0]]:
-            pytest.fail(
-                f"needs a vLLM with {feature.args[0]}, which vLLM {vllm_version()} lacks: "
-                "run it on .venv's vLLM (`make check`), or leave it out with "
-                "-m 'not vllm_feature' as `make test` does on the older releases"
-            )
+        present = vllm_features()
+        for name in needed:
+            if not present[name]:
+                pytest.fail(
+                    f"needs {VLLM_FEATURES[name]}; this is vLLM {vllm_version()}: run it "
+                    f"on .venv's vLLM (`make check`), or leave it out with -m 'not {name}' as "
+                    "`make test` does on the older releases"
+                )
     if item.get_closest_marker("cuda") is not None:
         import torch
 

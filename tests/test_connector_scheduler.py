@@ -563,7 +563,7 @@ def test_without_its_workers_layout_it_neither_looks_up_nor_saves(harness, caplo
     assert "no worker has said its KV layout yet" in caplog.text
 
 
-@pytest.mark.vllm_feature(vllm_harness.WORKER_CHANNEL)
+@pytest.mark.worker_channel
 def test_the_layout_arrives_on_the_per_connector_worker_channel(harness) -> None:
     """What MultiConnector passes to each child, whatever the handshake was."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata

@@ -12,9 +12,7 @@ import logging
 import pytest
 
 from maru.vllm.metadata import NULL_BLOCK
-from tests.vllm_harness import PER_REQUEST_FAILURES, SchedulerHarness, vllm_features
-
-needs_hybrid_loads = pytest.mark.vllm_feature(PER_REQUEST_FAILURES)
+from tests.vllm_harness import SchedulerHarness, vllm_features
 
 
 def tokens(count: int, start: int = 1) -> list[int]:
@@ -46,7 +44,7 @@ def assert_never_the_null_block(metas: list) -> None:
         assert NULL_BLOCK not in transfer.block_ids, transfer
 
 
-@needs_hybrid_loads
+@pytest.mark.hybrid_loads
 def test_a_sliding_window_hybrid_loads_only_the_window_before_the_hit(harness) -> None:
     h = harness(groups=("full", "window"))
     writer, written = run(h, "writer", 300)
@@ -101,7 +99,7 @@ def test_a_window_chunk_is_saved_before_vllm_drops_its_blocks(harness) -> None:
     assert [len(m.saves) for m in metas[:4]] == [1, 1, 1, 1]
 
 
-@needs_hybrid_loads
+@pytest.mark.hybrid_loads
 def test_a_mamba_hybrid_loads_one_state_at_the_hit(harness) -> None:
     """A Mamba group in vLLM's align mode, prefilled a block per step: each chunk's state
     is saved in the step that ends it; a hit loads the state at the hit only."""
@@ -119,7 +117,7 @@ def test_a_mamba_hybrid_loads_one_state_at_the_hit(harness) -> None:
     assert_never_the_null_block([meta])
 
 
-@needs_hybrid_loads
+@pytest.mark.hybrid_loads
 def test_a_hybrid_hit_is_where_every_group_can_be_served(harness) -> None:
     """The state after chunk 3 is lost: the hit falls back to chunk 2, where the full
     group's blocks and the state both are."""
@@ -135,7 +133,7 @@ def test_a_hybrid_hit_is_where_every_group_can_be_served(harness) -> None:
     assert h.stats["hit_tokens"] == 192
 
 
-@needs_hybrid_loads
+@pytest.mark.hybrid_loads
 def test_a_failed_hybrid_load_is_a_recompute_and_is_not_tried_again(harness) -> None:
     """With several groups vLLM takes only per-request failures of asynchronous loads."""
     h = harness(groups=("full", "window"))
@@ -152,14 +150,14 @@ def test_a_hybrid_is_served_only_where_vllm_takes_per_request_failures(harness, 
     with caplog.at_level(logging.ERROR, logger="vllm.maru"):
         h = harness(groups=("full", "window"))
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    if vllm_features()[PER_REQUEST_FAILURES]:
+    if vllm_features()["hybrid_loads"]:
         assert errors == [] and not h.connector.scheduler.store.disabled
     else:
         assert len(errors) == 1 and "cannot take a failed load of one request" in errors[0]
         assert h.connector.scheduler.store.disabled
 
 
-@needs_hybrid_loads
+@pytest.mark.hybrid_loads
 def test_the_namespace_and_its_record_carry_the_group_structure(harness) -> None:
     """A model with other groups never reads these chunks: another namespace."""
     one, two = harness(groups=("full",)), harness(groups=("full", "window"))

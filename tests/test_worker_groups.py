@@ -11,13 +11,13 @@ import torch
 from maru.connector import MaruKVConnector
 from maru.vllm.metadata import ChunkTransfer, MaruConnectorMetadata
 from tests.conftest import unique_name
-from tests.vllm_harness import PER_REQUEST_FAILURES, make_kv_cache_config, make_vllm_config
+from tests.vllm_harness import make_kv_cache_config, make_vllm_config
 
 NB, PAGE, STATE = 24, 16384, 96 * 3 * 4 + 4 * 32 * 16 * 4
 """Blocks, the padded page (an attention page of (2, 32, 128) bf16), the state's bytes
 (`tests.vllm_harness.group_spec("state")`)."""
 
-pytestmark = pytest.mark.vllm_feature(PER_REQUEST_FAILURES)
+pytestmark = pytest.mark.hybrid_loads
 """Older releases serve no hybrid (tests/test_scheduler_groups.py checks they say so)."""
 
 

@@ -117,22 +117,14 @@ def request_parameters() -> set[str]:
     return set(inspect.signature(Request).parameters)
 
 
-PER_REQUEST_FAILURES = "per-request load failures"
-"""vLLM takes a failed load of one request (`get_transfer_results`), which serving a
-model of several KV cache groups needs (0.31 and later)."""
-WORKER_CHANNEL = "a per-connector worker channel"
-"""vLLM carries each connector's worker metadata (`KVConnectorWorkerMetadata`), what
-MultiConnector passes to each child."""
-
-
 def vllm_features() -> dict[str, bool]:
-    """Which features a test can ask for with `@pytest.mark.vllm_feature(NAME)` this vLLM
-    release has, by NAME."""
+    """Whether this vLLM release has each feature older ones lack, by the marker of the
+    tests that need it (`tests.conftest.VLLM_FEATURES`)."""
     from maru.vllm import compat
 
     return {
-        PER_REQUEST_FAILURES: compat.has_hook("get_transfer_results"),
-        WORKER_CHANNEL: compat.KVConnectorWorkerMetadata is not object,
+        "hybrid_loads": compat.has_hook("get_transfer_results"),
+        "worker_channel": compat.KVConnectorWorkerMetadata is not object,
     }
 
 
