@@ -10,8 +10,7 @@ one row of `run_bytes` per block (see `maru.layouts`). Per chunk and layer:
 - on the CPU, each run of consecutive blocks (usually all of a chunk's) moves as
   one slice copy each way, straight between the cache and store memory (numpy's
   copy: torch's splits a large copy across its intra-op threads, and stalls whenever
-  another thread or process holds a core); a load's chunks are shared between the
-  calling thread and a helper thread that takes only chunks nobody has started;
+  another thread or process holds a core), all in the calling thread;
 - on a device with streams (CUDA), the blocks are gathered or scattered on the
   device with index tensors that live there, and the layer crosses to or from
   host memory in one transfer on a side stream. Host memory must be pinned:
@@ -26,7 +25,7 @@ import ctypes
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,6 @@ import torch
 
 from maru.backends.base import Hashing
 from maru.errors import MaruError
-from maru.helper_thread import helper
 from maru.hugepages import put_on_huge_pages
 from maru.layouts import LayoutAdapter
 from maru.log import get_logger
@@ -247,8 +245,6 @@ class DataPath:
         self.device: torch.device = first_segment.view.device
         self.queue = queue or queue_for(self.device)
         self.on_device = self.device.type != "cpu"
-        if self.queue.synchronous:
-            helper()  # started now, so that the first load costs what later ones do
         self._layer_loaded: dict[str, Marker] = {}
         self._bytes_before = adapter.layer_offsets(1)
         """Per layer: bytes of the layers before it, per stored block."""
@@ -280,16 +276,17 @@ class DataPath:
     def load(self, chunks: Sequence[ChunkCopy]) -> set[int]:
         """Queue every chunk's pages into its blocks, layer after layer; the indexes of
         the chunks whose copies could not be issued (their blocks hold nothing usable).
-        Where copies run at once (the CPU), chunks are copied whole, each by this thread
-        or the helper thread (`maru.helper_thread`), where it has a core to spare."""
+        Where copies run at once (the CPU), each chunk is copied whole, in this thread."""
         self.queue.after_compute()
-        if self.queue.synchronous:
-            outcomes = helper().share([partial(self._load_chunk, chunk) for chunk in chunks])
-            failures = {index: exc for index, exc in enumerate(outcomes) if exc is not None}
-            for exc in failures.values():
-                _log_copy_failure(exc)
-            return set(failures)
         failed: set[int] = set()
+        if self.queue.synchronous:
+            for index, chunk in enumerate(chunks):
+                try:
+                    self._load_chunk(chunk)
+                except Exception as exc:
+                    _log_copy_failure(exc)
+                    failed.add(index)
+            return failed
         for name in self.adapter.layers:
             for index, chunk in enumerate(chunks):
                 if index not in failed:
