@@ -275,18 +275,9 @@ class DataPath:
 
     def load(self, chunks: Sequence[ChunkCopy]) -> set[int]:
         """Queue every chunk's pages into its blocks, layer after layer; the indexes of
-        the chunks whose copies could not be issued (their blocks hold nothing usable).
-        Where copies run at once (the CPU), each chunk is copied whole, in this thread."""
+        the chunks whose copies could not be issued (their blocks hold nothing usable)."""
         self.queue.after_compute()
         failed: set[int] = set()
-        if self.queue.synchronous:
-            for index, chunk in enumerate(chunks):
-                try:
-                    self._load_chunk(chunk)
-                except Exception as exc:
-                    _log_copy_failure(exc)
-                    failed.add(index)
-            return failed
         for name in self.adapter.layers:
             for index, chunk in enumerate(chunks):
                 if index not in failed:
@@ -297,11 +288,6 @@ class DataPath:
                         failed.add(index)
             self._layer_loaded[name] = self.queue.mark()
         return failed
-
-    def _load_chunk(self, chunk: ChunkCopy) -> None:
-        """All of a chunk's layers, in order (its hasher is fed in order)."""
-        for name in self.adapter.layers:
-            self.queue.run(lambda n=name: self._load_layer(n, chunk))
 
     def wait_layer(self, name: str) -> None:
         """Make the forward wait for this layer's loads (the other layers go on)."""
