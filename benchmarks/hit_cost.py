@@ -17,13 +17,15 @@ later in the same process, so a competing load (`--busy`) touches both alike: th
 paired extra is the median over prompts of maru hit minus own hit.
 Every object is stored with its XXH3 checksum; two more new engines load them with
 verification off and on (`shm.checksum`), so the checksum's cost per hit is measured
-inside the engine, as a share of the hit's time to first token.
+inside the engine: as a share of the hit's time to first token, and in the load calls
+(which the forward's noise does not touch).
 
 maru's extra time (median maru hit minus median own hit) is set against a
 single-threaded memcpy of the bytes a hit loads, measured in the same run just
 before the maru hit engine: "0.8x memcpy" means the extra time is 1.25 memcpys; so
 are the paired extra and the time maru's load calls took inside the engine per hit
-(its connector's counters: the view, checks and copies, maru's own share of a hit).
+(its connector's counters: the view, checks and copies, maru's own share of a hit),
+split into getting the objects (lookup, mapping, header check) and copying them.
 With `--busy`, another process keeps one core busy while the engines run (memcpy is
 measured without it). This machine's memory speed drifts by up to 3x over seconds to
 minutes (a copy-bound load slows down, compute does not), so the paired extra and the
@@ -158,7 +160,7 @@ def main() -> int:
     loaded = [after["loaded_bytes"] - before["loaded_bytes"] for before, after in hit["totals"]]
     extra = statistics.median(hit["ttft_s"]) - statistics.median(own["ttft_s"])
     memcpy_s = statistics.median(loaded) / (memcpy * 1e9)
-    load_calls = [after["load_seconds"] - before["load_seconds"] for before, after in hit["totals"]]
+    load_calls = per_hit_counter(hit, "load_seconds")
     paired_extras = [m - o for m, o in zip(hit["ttft_s"], paired_own["ttft_s"], strict=True)]
     load_s, paired = statistics.median(load_calls), statistics.median(paired_extras)
     beside = hit["memcpy_s"]  # a memcpy of a hit's bytes in the engine just before each hit
@@ -180,6 +182,8 @@ def main() -> int:
         "paired_extra_ms": paired * 1e3,
         "memcpy_of_loaded_bytes_ms": memcpy_s * 1e3,
         "load_calls_ms_per_hit": load_s * 1e3,
+        "getting_objects_ms_per_hit": statistics.median(per_hit_counter(hit, "load_open_seconds"))
+        * 1e3,
         "load_calls_vs_memcpy": times_memcpy(memcpy_s, load_s),
         "extra_vs_memcpy": times_memcpy(memcpy_s, extra),
         "paired_extra_vs_memcpy": times_memcpy(memcpy_s, paired),
@@ -193,9 +197,14 @@ def main() -> int:
     )
     report["checksum_ms_per_hit"] = (checked - unchecked) * 1e3
     report["checksum_share_of_hit"] = (checked - unchecked) / checked
+    report["load_calls_ms_per_hit_unverified_verified"] = [
+        statistics.median(per_hit_counter(runs[f"maru_hit_{name}"], "load_seconds")) * 1e3
+        for name in ("unverified", "verified")
+    ]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     median, first = report["median_ttft_ms"], report["first_hit_ttft_ms"]
+    loads_unverified, loads_verified = report["load_calls_ms_per_hit_unverified_verified"]
     computed = report["tokens_computed_on_a_hit"]
     print(
         f"{args.prompts} prompts of {args.prompt_tokens} tokens"
@@ -211,18 +220,25 @@ def main() -> int:
         f"paired (each maru hit minus the same engine's own hit of the prompt): "
         f"{paired * 1e3:.1f} ms: {report['paired_extra_vs_memcpy']:.2f}x memcpy\n"
         f"maru's load calls in the engine (its own share of a hit): {load_s * 1e3:.1f} ms a hit: "
-        f"{report['load_calls_vs_memcpy']:.2f}x memcpy\n"
+        f"{report['load_calls_vs_memcpy']:.2f}x memcpy, of which getting the objects "
+        f"{report['getting_objects_ms_per_hit']:.1f} ms\n"
         f"against a memcpy of a hit's bytes in the engine just before each hit "
         f"({statistics.median(beside) * 1e3:.1f} ms; the median over hits): paired extra "
         f"{report['paired_extra_vs_the_memcpy_beside_it']:.2f}x, load calls "
         f"{report['load_calls_vs_the_memcpy_beside_them']:.2f}x\n"
         f"checksum verification: hits {unchecked * 1e3:.1f} ms unverified, {checked * 1e3:.1f} ms "
         f"verified: {report['checksum_ms_per_hit']:+.1f} ms = "
-        f"{report['checksum_share_of_hit'] * 100:+.1f}% of a verified hit\n"
+        f"{report['checksum_share_of_hit'] * 100:+.1f}% of a verified hit; load calls "
+        f"{loads_unverified:.1f} ms unverified, {loads_verified:.1f} ms verified\n"
         f"same tokens as vLLM's own hit: {report['same_tokens_as_own_hit']}\n"
         f"written to {args.output}"
     )
     return 0 if report["same_tokens_as_own_hit"] else 1
+
+
+def per_hit_counter(run: dict[str, Any], key: str) -> list[float]:
+    """How much a connector counter grew over each measured prompt of an engine."""
+    return [after[key] - before[key] for before, after in run["totals"]]
 
 
 def per_hit(memcpy_s: list[float], extra_s: list[float]) -> float:

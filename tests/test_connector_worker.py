@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -241,6 +242,19 @@ def test_stats_aggregate_across_workers_and_reduce_for_vllm_logs() -> None:
     assert MaruConnectorStats().is_empty() and not first.is_empty()
     assert second.take().data["loads"] == 1 and second.take() is None, "reset after a report"
     assert second.lifetime["loads"] == 1
+
+
+def test_a_load_counts_finding_its_objects_apart_from_copying_them(tiny_model, pool) -> None:
+    """`load_open_seconds` is the part of `load_seconds` spent getting each chunk's object
+    from the store (held up 20 ms a lookup here), never the copies (held up 50 ms)."""
+    source, target = kv_caches(1), kv_caches(None)
+    run_step(worker(tiny_model, pool, source), save_k0_k1())
+    slow_copies = DeferredQueue(meanwhile=lambda: time.sleep(0.05))
+    reader = worker(tiny_model, pool, target, queue=slow_copies, latency=0.02)
+    assert run_step(reader, load_k0_k1()) == set()
+    stats = reader.get_kv_connector_stats().data
+    assert stats["load_open_seconds"] >= 2 * 0.02
+    assert stats["load_seconds"] - stats["load_open_seconds"] >= 0.05
 
 
 def test_latencies_join_and_the_latest_store_gauges_win_across_reports() -> None:

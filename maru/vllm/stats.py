@@ -78,6 +78,12 @@ LOAD_SECONDS = Stat(
     "Seconds the worker spent in maru's load calls (issuing copies, and on "
     "the CPU making them; waiting for them).",
 )
+LOAD_OPEN_SECONDS = Stat(
+    "load_open_seconds",
+    "counter",
+    "Of load_seconds, the seconds spent finding each chunk's object in the store and "
+    "checking its header; the rest made (or issued) the copies and verified them.",
+)
 SAVE_SECONDS = Stat(
     "save_seconds",
     "counter",
@@ -120,6 +126,7 @@ TABLE = (
     LOADS,
     LOADED_BYTES,
     LOAD_SECONDS,
+    LOAD_OPEN_SECONDS,
     LOAD_ERRORS,
     SAVES,
     SAVED_BYTES,

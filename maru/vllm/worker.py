@@ -41,6 +41,7 @@ from maru.vllm.stats import (
     COPIES_DROPPED,
     LOAD_ERRORS,
     LOAD_LATENCIES,
+    LOAD_OPEN_SECONDS,
     LOAD_SECONDS,
     LOADED_BYTES,
     LOADS,
@@ -233,13 +234,8 @@ class MaruWorker:
             self._start_loads(transfers)
 
     def _start_loads(self, transfers: list[ChunkTransfer]) -> None:
-        opened: dict[int, list[PendingLoad]] = {}
-        for transfer in transfers:
-            pending = self._open(transfer) if self.paths else None
-            if pending is None:
-                self._load_failed(transfer)
-            else:
-                opened.setdefault(transfer.group, []).append(pending)
+        with self.stats.timing(LOAD_OPEN_SECONDS):
+            opened = self._open_all(transfers)
         for group, pendings in opened.items():
             failed = self.paths[group].load([p.copy for p in pendings])
             for index, pending in enumerate(pendings):
@@ -251,6 +247,17 @@ class MaruWorker:
             self.loaded_requests.update(t.req_id for t in transfers)
         if self.paths and not self._on_device:
             self._finish_loads()
+
+    def _open_all(self, transfers: list[ChunkTransfer]) -> dict[int, list[PendingLoad]]:
+        """Every chunk that can load, by KV cache group; the others failed."""
+        opened: dict[int, list[PendingLoad]] = {}
+        for transfer in transfers:
+            pending = self._open(transfer) if self.paths else None
+            if pending is None:
+                self._load_failed(transfer)
+            else:
+                opened.setdefault(transfer.group, []).append(pending)
+        return opened
 
     def _open(self, transfer: ChunkTransfer) -> PendingLoad | None:
         """The chunk's object, checked, as host memory the copies can read; None if absent,
