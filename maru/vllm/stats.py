@@ -81,8 +81,9 @@ LOAD_SECONDS = Stat(
 LOAD_OPEN_SECONDS = Stat(
     "load_open_seconds",
     "counter",
-    "Of load_seconds, the seconds spent finding each chunk's object in the store and "
-    "checking its header; the rest made (or issued) the copies and verified them.",
+    "Of load_seconds, the seconds spent getting each chunk's object from the store (a "
+    "lookup where the store is memory, a read where it is not) and checking its header; "
+    "the rest made (or issued) the copies and verified them.",
 )
 SAVE_SECONDS = Stat(
     "save_seconds",
