@@ -4,13 +4,15 @@ Each `Stat` says what it counts, how it adds up, and the Prometheus metric it fe
 (`maru.vllm.metrics`); code counts with the module's constants (`stats.add(LOADS, 1)`),
 so a misspelt statistic is an import error, not a KeyError inside a worker step. vLLM
 moves `MaruConnectorStats.data` between processes and sums it over workers and
-intervals (`aggregate`), then logs `reduce()` and hands `data` to the metrics.
+intervals (`aggregate`), then logs `reduce()` and hands `data` to the metrics. The
+store's own figures feed the gauges (`store_gauges`) and the dropped copies
+(`DroppedCopies`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -241,3 +243,35 @@ def store_gauges(store: Backend) -> dict[Stat, int] | None:
         STORE_OBJECTS: figures.objects,
         STORE_EVICTIONS: figures.evictions,
     }
+
+
+DROPPED_REFRESH_S = 1.0
+"""How often a worker asks its store how many lower-tier copies it dropped."""
+
+
+class DroppedCopies:
+    """Counts into `stats` the copies into lower tiers the store dropped since the last
+    look (its `StoreStats.dropped`, counted in the process that saves), at most once
+    every DROPPED_REFRESH_S."""
+
+    def __init__(self, stats: MaruConnectorStats) -> None:
+        self.stats = stats
+        self._seen = 0
+        self._read_at = 0.0
+
+    def refresh(self, available: Callable[[], Backend | None]) -> None:
+        """Look again if it is time; `available` gives the store (None: skipped)."""
+        if time.monotonic() - self._read_at < DROPPED_REFRESH_S:
+            return
+        self._read_at = time.monotonic()
+        store = available()
+        if store is None:
+            return
+        try:
+            dropped = store.stats().dropped
+        except Exception as exc:  # counters are best effort: never fail a step for them
+            log.debug("maru: store stats unavailable: %s", exc)
+            return
+        if dropped > self._seen:
+            self.stats.add(COPIES_DROPPED, dropped - self._seen)
+            self._seen = dropped

@@ -38,7 +38,6 @@ from maru.vllm.guard import StoreGuard
 from maru.vllm.keys import HEADER_BYTES, object_header, rank_key
 from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruHandshake
 from maru.vllm.stats import (
-    COPIES_DROPPED,
     LOAD_ERRORS,
     LOAD_LATENCIES,
     LOAD_OPEN_SECONDS,
@@ -50,12 +49,11 @@ from maru.vllm.stats import (
     SAVE_SECONDS,
     SAVED_BYTES,
     SAVES,
+    DroppedCopies,
     MaruConnectorStats,
 )
 
 log = get_logger(__name__)
-DROPPED_REFRESH_S = 1.0
-"""How often a worker asks its store how many lower-tier copies it dropped."""
 
 DataPathFactory = Callable[[LayoutAdapter], DataPath]
 """Makes the data path for the layout a worker recognised."""
@@ -132,8 +130,7 @@ class MaruWorker:
         self.in_flight: list[PendingSave] = []
         self.saving_requests: set[str] = set()
         """Requests with a planned save: their blocks are freed once they are reported."""
-        self._dropped_seen = 0
-        self._dropped_read_at = 0.0
+        self.dropped = DroppedCopies(self.stats)
 
     def _share(self, parallel: Any) -> int:
         """This worker's share index; with an unknown rank the store is off (guessing 0
@@ -474,25 +471,8 @@ class MaruWorker:
 
     def report(self) -> MaruConnectorStats | None:
         """The stats since the last report, with the copies the store dropped meanwhile."""
-        if time.monotonic() - self._dropped_read_at >= DROPPED_REFRESH_S:
-            self._dropped_read_at = time.monotonic()
-            self._count_dropped_copies()
+        self.dropped.refresh(self.store.available)
         return self.stats.take()
-
-    def _count_dropped_copies(self) -> None:
-        """Add the copies into lower tiers the store dropped since the last look (its
-        `StoreStats.dropped`, counted in this process, where the saves are)."""
-        store = self.store.available()
-        if store is None:
-            return
-        try:
-            dropped = store.stats().dropped
-        except Exception as exc:  # counters are best effort: never fail a step for them
-            log.debug("maru: store stats unavailable: %s", exc)
-            return
-        if dropped > self._dropped_seen:
-            self.stats.add(COPIES_DROPPED, dropped - self._dropped_seen)
-            self._dropped_seen = dropped
 
     def close(self) -> None:
         """Commit what is being saved, then close the store."""
