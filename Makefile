@@ -33,7 +33,7 @@ venv: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml examples/maru-example-plugin/pyproject.toml tools/vllm_cpu_metadata.py
+$(STAMP): $(BIN)/python pyproject.toml maru/_streamcopy.c examples/maru-example-plugin/pyproject.toml tools/vllm_cpu_metadata.py
 	@echo "installing maru and its test dependencies into $(VENV) ..."
 	@# pip's configured indexes first; PyTorch's CPU index only if they lack the CPU torch.
 	$(BIN)/python tools/bootstrap.py --disable-pip-version-check \

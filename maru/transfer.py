@@ -8,9 +8,11 @@ A chunk's object payload holds, layer after layer and segment after segment,
 one row of `run_bytes` per block (see `maru.layouts`). Per chunk and layer:
 
 - on the CPU, each run of consecutive blocks (usually all of a chunk's) moves as
-  one slice copy each way, straight between the cache and store memory (numpy's
-  copy: torch's splits a large copy across its intra-op threads, and stalls whenever
-  another thread or process holds a core), all in the calling thread;
+  one copy each way, straight between the cache and store memory, in the calling
+  thread, with streaming stores (`maru._streamcopy`: a copy larger than the caches
+  then moves two lines of memory per line, not three; torch's copy would split it
+  across intra-op threads that stall whenever another thread or process holds a
+  core);
 - on a device with streams (CUDA), the blocks are gathered or scattered on the
   device with index tensors that live there, and the layer crosses to or from
   host memory in one transfer on a side stream. Host memory must be pinned:
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from maru._streamcopy import copy_rows
 from maru.backends.base import Hashing
 from maru.errors import MaruError
 from maru.hugepages import put_on_huge_pages
@@ -232,8 +235,42 @@ class ChunkCopy:
 
     @cached_property
     def host(self) -> np.ndarray:
-        """The payload as a numpy array (the CPU's copies: see `DataPath._copy_on_cpu`)."""
+        """The payload as a numpy array (what a load's hasher is fed)."""
         return self.payload.numpy()
+
+    def rows_at(self, position: int, run: int, row: int, count: int) -> int:
+        """The address of `count` rows of `run` bytes from `row` on, in the payload's
+        segment at byte `position` (IndexError past the object's blocks or memory)."""
+        end = position + self.stored_blocks * run
+        if row < 0 or row + count > self.stored_blocks or end > self.payload.numel():
+            raise IndexError(
+                f"rows {row}..{row + count - 1} of {self.stored_blocks} stored blocks "
+                f"outside the payload's {self.payload.numel()} bytes"
+            )
+        return self.payload.data_ptr() + position + row * run
+
+
+@dataclass(frozen=True)
+class HostSegment:
+    """A segment of a CPU cache as the copies address it: `rows` rows of `run` bytes,
+    `stride` bytes apart from `address` on."""
+
+    address: int
+    stride: int
+    run: int
+    rows: int
+
+    @classmethod
+    def of(cls, view: torch.Tensor) -> HostSegment:
+        if view.dtype != torch.int8 or view.dim() != 2 or view.stride(1) != 1:
+            raise ValueError(f"a segment is an int8 view of dense rows, not {view.shape}")
+        return cls(view.data_ptr(), view.stride(0), view.shape[1], view.shape[0])
+
+    def rows_at(self, block: int, count: int) -> int:
+        """The address of `count` blocks' rows from `block` on (IndexError outside)."""
+        if block < 0 or block + count > self.rows:
+            raise IndexError(f"blocks {block}..{block + count - 1} outside the cache's {self.rows}")
+        return self.address + block * self.stride
 
 
 class DataPath:
@@ -251,9 +288,12 @@ class DataPath:
         self._host_layers = (
             {}
             if self.on_device
-            else {name: [s.view.numpy() for s in segs] for name, segs in adapter.layers.items()}
+            else {
+                name: [HostSegment.of(s.view) for s in segs]
+                for name, segs in adapter.layers.items()
+            }
         )
-        """On the CPU: each layer's segments as numpy arrays over the cache."""
+        """On the CPU: each layer's segments, addressed."""
 
     def payload_bytes(self, blocks: int) -> int:
         """Bytes of pages in an object of `blocks` blocks."""
@@ -315,24 +355,22 @@ class DataPath:
 
     def _copy_on_cpu(self, name: str, chunk: ChunkCopy, load: bool) -> None:
         """One layer of a chunk between the cache and its payload, each run of consecutive
-        blocks one slice copy per segment, in the running thread: numpy, whose slices
-        cost a fraction of a microsecond (torch's cost several, and its copies split
-        across intra-op threads that stall when another thread or process holds a core).
-        A load feeds each segment's rows to the chunk's hasher just after copying them,
-        while they are in this core's caches."""
+        blocks one streaming copy per segment, in the running thread (bounds checked
+        here: the copies take addresses). A load feeds each segment's rows to the
+        chunk's hasher just after copying them, while they are in this core's caches."""
         position = chunk.stored_blocks * self._bytes_before[name]
-        hasher = chunk.hasher if load else None
         for segment in self._host_layers[name]:
-            run = segment.shape[1]
-            payload = chunk.host[position : position + chunk.stored_blocks * run]
-            stored = payload.reshape(-1, run)
-            position += chunk.stored_blocks * run
+            run = segment.run
             for block, at, length in chunk.blocks.runs:
-                rows = stored[chunk.first + at : chunk.first + at + length]
-                cache = segment[block : block + length]
-                np.copyto(*((cache, rows) if load else (rows, cache)))
-            if hasher is not None:
-                hasher.update(payload)
+                cache = segment.rows_at(block, length)
+                stored = chunk.rows_at(position, run, chunk.first + at, length)
+                if load:
+                    copy_rows(cache, segment.stride, stored, run, run, length)
+                else:
+                    copy_rows(stored, run, cache, segment.stride, run, length)
+            if load and chunk.hasher is not None:
+                chunk.hasher.update(chunk.host[position : position + chunk.stored_blocks * run])
+            position += chunk.stored_blocks * run
 
     # saves
 

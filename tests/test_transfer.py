@@ -179,6 +179,21 @@ def test_a_chunk_whose_copy_cannot_be_issued_is_reported_alone(monkeypatch) -> N
     assert all(torch.equal(page(target[n], 6), page(source[n], 3)) for n in target)
 
 
+@pytest.mark.parametrize(("ids", "first"), [([NB - 1, NB], 0), ([5, 6], 1)])
+def test_a_cpu_copy_outside_the_cache_or_the_object_fails_and_writes_nothing(
+    ids: list[int], first: int
+) -> None:
+    """The CPU copies take addresses, so the data path checks every run's bounds: a
+    block past the cache, or rows past the object's stored blocks, fail that chunk."""
+    row = "0.26 (NB,H,BS,2D) HND"
+    source, target = caches(row, 1, "cpu"), caches(row, 100, "cpu")
+    payload = save_chunk(DataPath(recognise(source, NB, BUILTINS)), [2, 3])
+    before = {name: tensor.clone() for name, tensor in target.items()}
+    loader = DataPath(recognise(target, NB, BUILTINS))
+    assert loader.load([ChunkCopy(Blocks(ids), payload, 2, first=first)]) == {0}
+    assert all(torch.equal(target[name], before[name]) for name in target)
+
+
 def test_a_device_without_a_data_path_is_refused_by_name() -> None:
     with pytest.raises(
         UnsupportedDeviceError, match="device meta; maru's data path supports cpu, cuda"
