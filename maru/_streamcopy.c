@@ -1,4 +1,4 @@
-/* Streaming copies between a KV cache and host memory (maru.streamcopy).
+/* Streaming copies between a KV cache and host memory (maru._streamcopy).
  *
  * A copy larger than the caches is bound by memory traffic. An ordinary store first
  * reads the line it writes (read for ownership), so a copy moves three lines per line
