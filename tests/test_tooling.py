@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -161,6 +163,26 @@ def test_a_test_not_marked_slow_cannot_start_a_vllm_engine(tmp_path) -> None:
 
     with pytest.raises(pytest.fail.Exception, match=r"mark it @pytest\.mark\.slow"):
         run_engine(tmp_path, [[1, 2, 3]], timeout_s=60)
+
+
+def die_of_sigill(send) -> None:
+    os.kill(os.getpid(), signal.SIGILL)
+
+
+def test_an_engine_process_killed_by_a_signal_is_reported_by_the_signals_name() -> None:
+    """A crash in native code (vLLM's CPU attention once died of SIGILL) sends no result:
+    the harness names the signal instead of guessing the job never started."""
+    from maru.cli._engine import _receive
+
+    context = mp.get_context("spawn")
+    recv, send = context.Pipe(duplex=False)
+    child = context.Process(target=die_of_sigill, args=(send,))
+    child.start()
+    send.close()
+    assert _receive(recv, child, timeout_s=60) == (
+        "error",
+        "engine process killed by SIGILL before it sent a result (its stderr says where)",
+    )
 
 
 def test_make_bench_gets_a_private_redis_server_stopped_afterwards() -> None:

@@ -24,6 +24,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -273,14 +274,28 @@ def _receive(recv: Any, proc: Any, timeout_s: float) -> tuple[str, Any]:
 def _no_result(exitcode: int | None) -> str:
     """Explain a child that ended without sending a result.
 
-    The child reports every error of its job, so one that sent nothing died before the job
-    started (e.g. while re-importing the caller's main module) or was killed."""
+    The child reports every error of its job, so one that sent nothing was killed by a
+    signal (a crash in native code, or from outside) or exited before the job started
+    (e.g. while re-importing the caller's main module)."""
+    if exitcode is not None and exitcode < 0:
+        return (
+            f"engine process killed by {signal_name(-exitcode)} before it sent a result "
+            "(its stderr says where)"
+        )
     text = (
         f"engine process exited with code {exitcode} before running its job (its stderr says why)"
     )
     if exitcode == 1:
         text += "; a script that calls run_engine needs an `if __name__ == '__main__':` guard"
     return text
+
+
+def signal_name(number: int) -> str:
+    """SIGILL for 4; the number where Python knows no such signal."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _engine_child(job: dict[str, Any], send: Any, built: Any, go: Any) -> None:
