@@ -86,6 +86,18 @@ def test_a_second_engine_loads_the_shared_prefix_from_shm(tiny_model, baseline, 
     )
 
 
+def test_a_new_engine_whose_first_forward_is_a_hit_gives_its_own_hits_tokens(tiny_model, shm_pool):
+    """Its first forward computes one token over a prefix it never computed: no prefill
+    has run any kernel before vLLM's attention does (on a CPU with AMX tiles, vLLM's
+    AMX attention died of SIGILL there until maru asked Linux for the tiles)."""
+    config = maru_config("shm", shm={"name": shm_pool})
+    prompt = PROMPTS_A[0][: SHARED + 1]
+    engine_a = run_engine(tiny_model, [prompt, prompt], kv_transfer_config=config)
+    engine_b = run_engine(tiny_model, [prompt], kv_transfer_config=config)
+    assert engine_b.external_cached_tokens == [SHARED]
+    assert engine_b.token_ids == engine_a.token_ids[1:], "as A's own hit of the same prefill"
+
+
 def test_prometheus_metrics_match_the_connectors_counters(tiny_model, shm_pool):
     """What vLLM's registry (its /metrics) holds of maru after a known workload: A's
     prompts again, which save nothing (so the store's gauges are final)."""

@@ -32,6 +32,7 @@ from maru.transfer import (
     pin,
     put_caches_on_huge_pages,
 )
+from maru.vllm.amx import permit_amx_tiles
 from maru.vllm.compat import pipeline_parallel_rank, tensor_parallel_rank
 from maru.vllm.groups import FULL, KVGroup, UnservedGroups, kv_groups, loads_async
 from maru.vllm.guard import StoreGuard
@@ -179,6 +180,8 @@ class MaruWorker:
         self.fingerprint = "+".join(path.adapter.fingerprint for path in self.paths.values())
         if self.huge_pages:
             put_caches_on_huge_pages(self.paths.values())
+        if not self._on_device:
+            permit_amx_tiles()  # a hit may be this engine's first forward (maru.vllm.amx)
         store = self.store.available()  # at start-up: a new pool is set up here, not in a request
         if self._on_device and store is not None and store.zero_copy:
             self.pinned = pin(store.host_memory())
