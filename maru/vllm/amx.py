@@ -48,10 +48,10 @@ def amx_tiles_permitted() -> bool:
 def permit_amx_tiles() -> bool:
     """Ask Linux for AMX tile data for this process; True where it is permitted now
     (False where the CPU or kernel has no AMX: nothing to do there)."""
-    if amx_tiles_permitted():
-        return True
     if not on_x86_64_linux():
         return False
+    if amx_tiles_permitted():
+        return True
     if _libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
         error = ctypes.get_errno()
         if error not in (errno.EOPNOTSUPP, errno.EINVAL):  # no AMX in this CPU or kernel
