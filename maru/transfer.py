@@ -233,6 +233,11 @@ class ChunkCopy:
     """Fed the whole payload, in order, as the CPU loads it (every segment's rows, also
     those a load skips), so the object's checksum needs no second pass over memory."""
 
+    @property
+    def loads_every_row(self) -> bool:
+        """Does a load copy every row the object stores, in order (from its first)?"""
+        return self.first == 0 and len(self.blocks.ids) == self.stored_blocks
+
     @cached_property
     def host(self) -> np.ndarray:
         """The payload as a numpy array (what a load's hasher is fed)."""
@@ -357,19 +362,23 @@ class DataPath:
         """One layer of a chunk between the cache and its payload, each run of consecutive
         blocks one streaming copy per segment, in the running thread (bounds checked
         here: the copies take addresses). A load feeds each segment's rows to the
-        chunk's hasher just after copying them, while they are in this core's caches."""
+        chunk's hasher: as it copies them where it loads all of them, else just after."""
         position = chunk.stored_blocks * self._bytes_before[name]
+        hasher = chunk.hasher if load else None
+        hash_as_copied = hasher is not None and chunk.loads_every_row
         for segment in self._host_layers[name]:
             run = segment.run
             for block, at, length in chunk.blocks.runs:
                 cache = segment.rows_at(block, length)
                 stored = chunk.rows_at(position, run, chunk.first + at, length)
-                if load:
+                if hash_as_copied:
+                    hasher.copy_rows(cache, segment.stride, stored, run, length)
+                elif load:
                     copy_rows(cache, segment.stride, stored, run, run, length)
                 else:
                     copy_rows(stored, run, cache, segment.stride, run, length)
-            if load and chunk.hasher is not None:
-                chunk.hasher.update(chunk.host[position : position + chunk.stored_blocks * run])
+            if hasher is not None and not hash_as_copied:
+                hasher.update(chunk.host[position : position + chunk.stored_blocks * run])
             position += chunk.stored_blocks * run
 
     # saves

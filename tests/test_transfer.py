@@ -106,6 +106,33 @@ def test_a_cpu_load_feeds_its_hasher_the_whole_payload_in_order(
     assert hasher.checksum() == checksum(memoryview(payload.numpy()))
 
 
+class CountingHasher(Hasher):
+    """A Hasher that counts the bytes it was given to hash apart from a copy."""
+
+    __slots__ = ("updated",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.updated = 0
+
+    def update(self, data) -> None:
+        super().update(data)
+        self.updated += memoryview(data).nbytes
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_a_cpu_load_of_every_stored_row_hashes_them_as_it_copies(row: str) -> None:
+    """No byte of the payload is read a second time to hash it: the copies sum them."""
+    source, target = caches(row, 1, "cpu"), caches(row, 100, "cpu")
+    payload = save_chunk(DataPath(recognise(source, NB, BUILTINS)), [2, 3, 4])
+    hasher = CountingHasher()
+    loader = DataPath(recognise(target, NB, BUILTINS))
+    assert loader.load([ChunkCopy(Blocks([7, 8, 11]), payload, 3, 0, hasher)]) == set()
+    assert (hasher.fed, hasher.updated) == (payload.numel(), 0)
+    assert hasher.checksum() == checksum(memoryview(payload.numpy()))
+    assert all(torch.equal(page(target[n], 11), page(source[n], 4)) for n in target)
+
+
 def test_chunks_loaded_together_each_feed_their_own_hasher_in_order() -> None:
     """Each chunk is copied whole, layer after layer, so each hasher sees its payload
     in order."""

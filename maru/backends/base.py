@@ -156,6 +156,10 @@ class Hashing(Protocol):
 
     def update(self, data: Any) -> None: ...
 
+    def copy_rows(self, dst: int, dst_stride: int, src: int, row_bytes: int, rows: int) -> None:
+        """Copy `rows` consecutive rows of `row_bytes` bytes at address `src` to rows
+        `dst_stride` apart from address `dst`, and take them as the next bytes."""
+
 
 class ReadView:
     """A committed object's bytes, read in place or from a private copy.

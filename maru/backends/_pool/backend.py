@@ -20,9 +20,9 @@ class PoolOptions(Options):
 
     checksum: bool = Field(
         True,
-        description="write an XXH3-64 checksum with every object and verify every load (a "
-        "corrupt object is a miss); about 6% of a hit's time to first token; off: damaged "
-        "object bytes go undetected",
+        description="write a 64-bit checksum with every object and verify every load (a "
+        "corrupt object is a miss); a load into a CPU cache computes it as it copies; off: "
+        "damaged object bytes go undetected",
     )
     prefault: bool = Field(
         False,

@@ -1,19 +1,17 @@
 """Per-object checksums: written at commit, verified on every load when enabled.
 
 Whatever corrupts an object after its commit (a pool bug, a stray writer, a bad
-device) then becomes a miss instead of wrong KV. The checksum is XXH3-64, which
-runs near memory speed: it reads every byte once more, which costs a bare load a lot
-(+71% at 4 MiB) but a hit inside vLLM about 6% of its time to first token (README,
-"The shared pool"), under the tenth that makes it worth having by default: it is on
-unless `checksum: false`. A reader that copies an object can hash it as it goes
-(`Hasher`), while the bytes are in its CPU's caches, and spare that extra pass.
+device) then becomes a miss instead of wrong KV. The checksum is maru's own 64-bit
+sum (`maru._streamcopy`), which a CPU load computes from the registers it copies
+through (`Hasher.copy_rows`), so checking a hit costs its copy a few percent instead
+of a second pass over its bytes; it is on unless `checksum: false`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import xxhash
+from maru._streamcopy import SUM_STATE_BYTES, copy_rows_summing, sum_feed, sum_value
 
 NO_CHECKSUM = 0
 """Stored for an object written without a checksum; it is never verified."""
@@ -21,7 +19,9 @@ NO_CHECKSUM = 0
 
 def checksum(data: memoryview) -> int:
     """The value stored for `data`: never NO_CHECKSUM."""
-    return xxhash.xxh3_64_intdigest(data) or 1
+    hasher = Hasher()
+    hasher.update(data)
+    return hasher.checksum()
 
 
 def intact(stored: int, data: memoryview, hashed: Hasher | None = None) -> bool:
@@ -40,15 +40,21 @@ class Hasher:
     __slots__ = ("_state", "fed")
 
     def __init__(self) -> None:
-        self._state = xxhash.xxh3_64()
+        self._state = bytearray(SUM_STATE_BYTES)
         self.fed = 0
 
     def update(self, data: Any) -> None:
         """Hash the next bytes (any contiguous buffer)."""
         piece = memoryview(data)
-        self._state.update(piece)
+        sum_feed(self._state, piece)
         self.fed += piece.nbytes
+
+    def copy_rows(self, dst: int, dst_stride: int, src: int, row_bytes: int, rows: int) -> None:
+        """Copy `rows` consecutive rows of `row_bytes` from address `src` to rows
+        `dst_stride` apart from address `dst`, hashing them as the next bytes."""
+        copy_rows_summing(self._state, dst, dst_stride, src, row_bytes, rows)
+        self.fed += row_bytes * rows
 
     def checksum(self) -> int:
         """The value `checksum` gives for everything fed so far."""
-        return self._state.intdigest() or 1
+        return sum_value(self._state) or 1

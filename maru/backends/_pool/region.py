@@ -26,8 +26,9 @@ from maru.backends.base import MAX_KEY_BYTES
 from maru.errors import BackendError, ConfigError
 
 MAGIC = b"MARUPOOL"
-FORMAT_VERSION = 7
-"""7: an object's bytes start on an ALIGN boundary after its key; 6: a seal per entry
+FORMAT_VERSION = 8
+"""8: object checksums are maru's own sum (`maru._streamcopy`), which loads compute as
+they copy; 7: an object's bytes start on an ALIGN boundary after its key; 6: a seal per entry
 over its fields; 5: a removal log in the header; 4: XXH3-64 key hashes and checksums;
 3: a checksum field per entry; 2: 64-bit BLAKE2b key hashes (1: CRC-32 and length)."""
 ALIGN = 64
