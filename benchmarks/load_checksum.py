@@ -7,8 +7,8 @@ shm pool into a CPU KV cache through maru's data path, as the worker does, three
 - unverified: the copies alone (read through a store opened with `checksum: false`);
 - verified after: the copies, then `valid()` hashes each object again (by then the
   step's later copies have pushed it out of the CPU's caches);
-- verified while copying: each segment is fed to the view's hasher just after its
-  copy, while it is in cache (what the worker does), then `valid(hasher)`.
+- verified while copying: the copies compute the checksum as they go, through the
+  view's hasher (what the worker does), then `valid(hasher)`.
 
 Each step is set against a single-threaded memcpy of the same bytes in the same loop,
 the four taking turns so the machine's drift touches all alike; the objects and the
