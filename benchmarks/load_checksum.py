@@ -11,19 +11,22 @@ shm pool into a CPU KV cache through maru's data path, as the worker does, three
   view's hasher (what the worker does), then `valid(hasher)`.
 
 Each step is set against a single-threaded memcpy of the same bytes in the same loop,
-the four taking turns so the machine's drift touches all alike; the objects and the
-cache's blocks rotate through more memory than the CPU caches hold.
+the four taking turns so the machine's drift touches all alike. Each load or copy
+reads objects and writes cache blocks (or memory) the one before it did not touch,
+out of twice the last-level cache's size, so none finds its bytes in the CPU's caches.
 `python benchmarks/load_checksum.py --help`.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,14 +45,13 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=8, help="blocks per object")
     parser.add_argument("--steps", type=int, default=40, help="measured steps per way")
     args = parser.parse_args()
-    cache_blocks = 4 * args.objects * args.blocks
-    caches = {
-        f"layer{i}": torch.zeros(2, cache_blocks, HEADS, BLOCK_SIZE, HEAD_DIM)
-        for i in range(LAYERS)
-    }
-    path = DataPath(recognise(caches, cache_blocks, [KVFirst, BlocksFirst]))
+    probe = DataPath(recognise(kv_caches(args.blocks), args.blocks, [KVFirst, BlocksFirst]))
+    step_bytes = args.objects * probe.payload_bytes(args.blocks)
+    slots = max(6, math.ceil(2 * last_level_cache_bytes() / step_bytes))
+    cache_blocks = slots * args.objects * args.blocks
+    path = DataPath(recognise(kv_caches(cache_blocks), cache_blocks, [KVFirst, BlocksFirst]))
     size = path.payload_bytes(args.blocks)
-    objects = 6 * args.objects  # a few steps' worth: more than the CPU's caches
+    objects = slots * args.objects
     pool = {"backend": "shm", "capacity": 2 * objects * size}
     pool_name = f"bench-{uuid.uuid4().hex[:8]}"
     store = maru.open_store(**pool, shm={"name": pool_name})
@@ -59,20 +61,19 @@ def main() -> int:
         keys = [uuid.uuid4().bytes for _ in range(objects)]
         for key in keys:
             assert store.put(key, rng.bytes(size))
-        step_bytes = args.objects * size
-        source = np.frombuffer(rng.bytes(4 * step_bytes), np.int8)
-        target = np.ones(4 * step_bytes, np.int8)  # written, so its pages are mapped
+        source = np.frombuffer(rng.bytes(slots * step_bytes), np.int8)
+        target = np.ones(slots * step_bytes, np.int8)  # written, so its pages are mapped
         ways: dict[str, Callable[[int], None]] = {
-            "memcpy": lambda step: memcpy(source, target, step_bytes, step),
-            "unverified": lambda step: load_step(path, unverified, keys, args, step),
-            "verified after copying": lambda step: load_step(path, store, keys, args, step),
-            "verified while copying": lambda step: load_step(path, store, keys, args, step, True),
+            "memcpy": lambda slot: memcpy(source, target, step_bytes, slot),
+            "unverified": lambda slot: load_step(path, unverified, keys, args, slot),
+            "verified after copying": lambda slot: load_step(path, store, keys, args, slot),
+            "verified while copying": lambda slot: load_step(path, store, keys, args, slot, True),
         }
         times: dict[str, list[float]] = {name: [] for name in ways}
         for step in range(args.steps + 1):
-            for name, way in ways.items():
+            for index, (name, way) in enumerate(ways.items()):
                 started = time.perf_counter()
-                way(step)
+                way((step * len(ways) + index) % slots)
                 if step:  # the first is a warm-up
                     times[name].append(time.perf_counter() - started)
             print(f"\rstep {step}/{args.steps}", end="", file=sys.stderr, flush=True)
@@ -91,9 +92,24 @@ def main() -> int:
     return 0
 
 
-def memcpy(source: np.ndarray, target: np.ndarray, nbytes: int, step: int) -> None:
-    """A plain copy of one step's bytes, each step from and to other memory."""
-    at = (step % 4) * nbytes
+def kv_caches(blocks: int) -> dict[str, torch.Tensor]:
+    """A CPU KV cache of `blocks` blocks per layer in vLLM's (2, NB, H, BS, D) layout."""
+    return {f"layer{i}": torch.zeros(2, blocks, HEADS, BLOCK_SIZE, HEAD_DIM) for i in range(LAYERS)}
+
+
+def last_level_cache_bytes() -> int:
+    """The size of the CPU's last-level cache (64 MiB where Linux does not say)."""
+    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))
+    if not caches:
+        return 64 * 2**20
+    size = caches[-1].read_text().strip()
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    return int(size.rstrip("KMG")) * units.get(size[-1], 1)
+
+
+def memcpy(source: np.ndarray, target: np.ndarray, nbytes: int, slot: int) -> None:
+    """A plain copy of one step's bytes, from and to the memory of `slot`."""
+    at = slot * nbytes
     np.copyto(target[at : at + nbytes], source[at : at + nbytes])
 
 
@@ -102,12 +118,13 @@ def load_step(
     store: maru.Backend,
     keys: list[bytes],
     args: argparse.Namespace,
-    step: int,
+    slot: int,
     hashed_while_copying: bool = False,
 ) -> None:
-    """Load one step's objects into the cache as the worker does; every one must be
-    valid (and match its checksum, where `store` verifies)."""
-    first, offset = (step * args.objects) % len(keys), (step % 4) * args.objects * args.blocks
+    """Load one step's objects (those of `slot`) into the cache's blocks of `slot` as the
+    worker does; every one must be valid (and match its checksum, where `store`
+    verifies)."""
+    first, offset = slot * args.objects, slot * args.objects * args.blocks
     views, chunks = [], []
     for index in range(args.objects):
         view = store.view(keys[(first + index) % len(keys)])

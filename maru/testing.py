@@ -272,6 +272,35 @@ class BackendContract:
             hasher.update(view.data[1000:])
         assert view.valid(hasher)
 
+    def test_a_view_copied_through_its_hasher_lands_exactly_and_is_valid(
+        self, store: Backend
+    ) -> None:
+        """`Hashing.copy_rows` copies the rows it is given and hashes them as `update`
+        would: a CPU load into a KV cache copies and verifies through it."""
+        data = payload("c", 40 * KIB)
+        store.put(b"c", data)
+        view = store.view("c")
+        hasher = view.hasher()
+        if hasher is None:
+            return
+        source = np.frombuffer(view.data, dtype=np.uint8)
+        rows, row_bytes, stride = 10, 4 * KIB, 5 * KIB
+        target = np.zeros(rows * stride, dtype=np.uint8)
+        hasher.copy_rows(target.ctypes.data, stride, source.ctypes.data, row_bytes, rows)
+        copied = target.reshape(rows, stride)[:, :row_bytes].tobytes()
+        assert copied == data and view.valid(hasher)
+
+    def test_a_hasher_fed_other_bytes_makes_its_view_invalid(self, store: Backend) -> None:
+        """`valid(hasher)` checks the bytes the reader hashed, not the object's own."""
+        data = payload("w", 40 * KIB)
+        store.put(b"w", data)
+        view = store.view("w")
+        hasher = view.hasher()
+        if hasher is None:
+            return
+        hasher.update(payload("other", 40 * KIB))
+        assert not view.valid(hasher)
+
     def test_a_view_stays_valid_while_its_object_is_stored(self, store: Backend) -> None:
         size = self.capacity // 6
         store.put(b"old", payload("old", size))
