@@ -413,10 +413,13 @@ PyMODINIT_FUNC PyInit__streamcopy(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    int sums_as_copied = 0; /* a load's copies compute the checksum */
 #if STREAMING
-    have_avx2 = __builtin_cpu_supports("avx2");
+    have_avx2 = __builtin_cpu_supports("avx2") != 0;
+    sums_as_copied = have_avx2;
 #endif
     if (PyModule_AddIntConstant(m, "STREAMING", STREAMING) < 0 ||
+        PyModule_AddIntConstant(m, "SUMS_AS_COPIED", sums_as_copied) < 0 ||
         PyModule_AddIntConstant(m, "SUM_STATE_BYTES", sizeof(SumState)) < 0) {
         Py_DECREF(m);
         return NULL;

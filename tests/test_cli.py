@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +32,31 @@ def test_info_json_lists_backends_with_their_distributions(capsys) -> None:
         "plugins"
     ]
     assert info["version"]
+
+
+def test_info_says_whether_loads_sum_as_they_copy_on_this_cpu(capsys) -> None:
+    """Streaming stores on x86-64; the checksum computed by the copies where the CPU
+    has AVX2 (as /proc/cpuinfo says), so a slow verified load is explained."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = {f for line in cpuinfo if line.startswith("flags") for f in line.split()}
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    sums = x86 and "avx2" in flags
+    code, out, _ = run_cli(capsys, "info", "--json")
+    assert code == 0
+    assert json.loads(out)["cpu_copies"] == {"streaming": x86, "sums_as_copied": sums}
+    _, text, _ = run_cli(capsys, "info")
+    assert ("checksums summed as they copy (AVX2)" in text) == sums
+
+
+def test_a_reader_that_goes_away_gets_no_traceback() -> None:
+    """`maru info | head -1`: the pipe closes before maru has written; the command
+    still exits with its own code and says nothing on stderr."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "maru", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    process.stdout.close()
+    _, err = process.communicate(timeout=60)
+    assert (process.returncode, err.decode()) == (0, "")
 
 
 def test_info_text(capsys) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -55,8 +56,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         return _failure(args, exc, EXIT_FAILURE)
     if result.data is not None:
-        print(json.dumps(result.data, indent=2) if args.json else result.text)
+        _print(json.dumps(result.data, indent=2) if args.json else result.text)
     return result.exit_code
+
+
+def _print(text: str) -> None:
+    """Print to stdout; a reader that went away (`maru info | head`) is no error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

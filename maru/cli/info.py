@@ -1,5 +1,6 @@
-"""`maru info` (plugins, backends, layout adapters, and who provides each) and `maru
-config show|check` (each resolved value and its source; a file validated on its own)."""
+"""`maru info` (plugins, backends, layout adapters, and who provides each; how this
+CPU copies KV pages) and `maru config show|check` (each resolved value and its source;
+a file validated on its own)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import json
 from typing import Any
 
+from maru._streamcopy import STREAMING, SUMS_AS_COPIED
 from maru.backends.registry import backend_class
 from maru.cli.command import Result, add_config_option
 from maru.config import ResolvedConfig, leaves, resolve_config, shown_value
@@ -32,8 +34,21 @@ def cmd_info(args: argparse.Namespace) -> Result:
         "plugins": [vars(p) for p in manager.plugins()],
         "backends": _provided(manager.backends),
         "layout_adapters": _provided(manager.layout_adapters),
+        "cpu_copies": {"streaming": bool(STREAMING), "sums_as_copied": bool(SUMS_AS_COPIED)},
     }
     return Result(data, _format_info(data))
+
+
+def _cpu_copies_line(copies: dict[str, bool]) -> str:
+    """How a load into a CPU KV cache copies and verifies here: a CPU without AVX2 pays
+    a second pass over each object to check it."""
+    stores = "streaming stores" if copies["streaming"] else "memcpy"
+    check = (
+        "checksums summed as they copy (AVX2)"
+        if copies["sums_as_copied"]
+        else "checksums summed after each copy (no AVX2: slower verified loads)"
+    )
+    return f"CPU copies: {stores}; {check}"
 
 
 def _provided(items: dict) -> list[dict[str, str]]:
@@ -55,7 +70,12 @@ def _format_info(data: dict[str, Any]) -> str:
         if "backend" in configured
         else configured["error"]
     )
-    lines = [f"maru {data['version']}", f"configured backend: {detail}", "plugins:"]
+    lines = [
+        f"maru {data['version']}",
+        f"configured backend: {detail}",
+        _cpu_copies_line(data["cpu_copies"]),
+        "plugins:",
+    ]
     lines += [f"  {p['name']:<24} {p['distribution']} {p['version']}" for p in data["plugins"]]
     for title in ("backends", "layout_adapters"):
         lines.append(f"{title.replace('_', ' ')}:")
