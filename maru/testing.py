@@ -39,7 +39,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from maru.backends.base import MAX_KEY_BYTES, MEDIA, Backend, key_digest
+from maru.backends.base import MAX_KEY_BYTES, MEDIA, Backend, Hashing, ReadView, key_digest
 from maru.errors import (
     BackendError,
     BufferTooSmallError,
@@ -49,6 +49,15 @@ from maru.errors import (
 )
 
 KIB = 1024
+
+
+def viewed_with_hasher(store: Backend, key: bytes) -> tuple[bytes, ReadView, Hashing | None]:
+    """Put a 40 KiB object under `key`: its bytes, a view of it and the view's hasher
+    (None where the store does not verify what is read)."""
+    data = payload(key, 40 * KIB)
+    store.put(key, data)
+    view = store.view(key)
+    return data, view, view.hasher()
 
 
 def payload(key: bytes | str, size: int) -> bytes:
@@ -263,10 +272,7 @@ class BackendContract:
     def test_a_view_fed_to_its_hasher_is_valid(self, store: Backend) -> None:
         """A reader that hashes what it copies (`ReadView.hasher`) gets the same answer
         from `valid` as one that does not."""
-        data = payload("h", 40 * KIB)
-        store.put(b"h", data)
-        view = store.view("h")
-        hasher = view.hasher()
+        _, view, hasher = viewed_with_hasher(store, b"h")
         if hasher is not None:
             hasher.update(view.data[:1000])
             hasher.update(view.data[1000:])
@@ -277,10 +283,7 @@ class BackendContract:
     ) -> None:
         """`Hashing.copy_rows` copies the rows it is given and hashes them as `update`
         would: a CPU load into a KV cache copies and verifies through it."""
-        data = payload("c", 40 * KIB)
-        store.put(b"c", data)
-        view = store.view("c")
-        hasher = view.hasher()
+        data, view, hasher = viewed_with_hasher(store, b"c")
         if hasher is None:
             return
         source = np.frombuffer(view.data, dtype=np.uint8)
@@ -292,10 +295,7 @@ class BackendContract:
 
     def test_a_hasher_fed_other_bytes_makes_its_view_invalid(self, store: Backend) -> None:
         """`valid(hasher)` checks the bytes the reader hashed, not the object's own."""
-        data = payload("w", 40 * KIB)
-        store.put(b"w", data)
-        view = store.view("w")
-        hasher = view.hasher()
+        _, view, hasher = viewed_with_hasher(store, b"w")
         if hasher is None:
             return
         hasher.update(payload("other", 40 * KIB))
