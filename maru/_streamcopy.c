@@ -78,8 +78,6 @@ static void sum_stripe_portable(SumState *s, const uint8_t *stripe)
 }
 
 #if STREAMING
-static const int64_t GOLDEN_STEP = (int64_t)(0x9E3779B97F4A7C15ULL * LANES);
-
 /* The lanes in AVX2 registers, four to a register, where the CPU has them. */
 #define AVX2 __attribute__((target("avx2")))
 static int have_avx2;
@@ -111,7 +109,7 @@ AVX2 static void wide_store(const WideLanes *l, SumState *s)
 
 AVX2 static inline void wide_add(WideLanes *l, __m256i a, __m256i b)
 {
-    const __m256i step = _mm256_set1_epi64x(GOLDEN_STEP);
+    const __m256i step = _mm256_set1_epi64x((int64_t)(GOLDEN * LANES)); /* a stripe on */
     __m256i words[2] = {a, b};
     for (int j = 0; j < 2; j++) {
         __m256i x = _mm256_xor_si256(words[j], l->key[j]);

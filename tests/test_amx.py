@@ -6,20 +6,17 @@ Each check runs in a new process: permission, once given, lasts for the process.
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.cpu_flags import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def cpu_has_amx_tiles() -> bool:
-    """What the kernel says of this CPU (/proc/cpuinfo), independently of maru."""
-    if platform.system() != "Linux":
-        return False
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-    return any(line.startswith("flags") and "amx_tile" in line.split() for line in lines)
+    return "amx_tile" in cpu_flags()
 
 
 def in_a_new_process(script: str) -> list[bool]:

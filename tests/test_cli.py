@@ -6,12 +6,12 @@ import json
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from maru.cli import main
 from maru.cli.bench import format_report, run_bench
+from tests.cpu_flags import cpu_flags
 from tests.redis_server import free_port
 
 
@@ -37,10 +37,8 @@ def test_info_json_lists_backends_with_their_distributions(capsys) -> None:
 def test_info_says_whether_loads_sum_as_they_copy_on_this_cpu(capsys) -> None:
     """Streaming stores on x86-64; the checksum computed by the copies where the CPU
     has AVX2 (as /proc/cpuinfo says), so a slow verified load is explained."""
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    flags = {f for line in cpuinfo if line.startswith("flags") for f in line.split()}
     x86 = platform.machine() in ("x86_64", "AMD64")
-    sums = x86 and "avx2" in flags
+    sums = x86 and "avx2" in cpu_flags()
     code, out, _ = run_cli(capsys, "info", "--json")
     assert code == 0
     assert json.loads(out)["cpu_copies"] == {"streaming": x86, "sums_as_copied": sums}
