@@ -163,6 +163,7 @@ def main() -> int:
     load_calls = per_hit_counter(hit, "load_seconds")
     paired_extras = [m - o for m, o in zip(hit["ttft_s"], paired_own["ttft_s"], strict=True)]
     load_s, paired = statistics.median(load_calls), statistics.median(paired_extras)
+    middle_half = {name: middle_half_ms(r["ttft_s"]) for name, r in runs.items()}
     beside = hit["memcpy_s"]  # a memcpy of a hit's bytes in the engine just before each hit
     report = {
         "busy": args.busy,
@@ -173,6 +174,7 @@ def main() -> int:
         "loaded_bytes_per_hit": statistics.median(loaded),
         "ttft_ms": {name: [t * 1e3 for t in r["ttft_s"]] for name, r in runs.items()},
         "median_ttft_ms": {name: statistics.median(r["ttft_s"]) * 1e3 for name, r in runs.items()},
+        "middle_half_ttft_ms": middle_half,
         "first_hit_ttft_ms": {"own": own["ttft_s"][0] * 1e3, "maru": hit["ttft_s"][0] * 1e3},
         "tokens_computed_on_a_hit": {
             "own": [args.prompt_tokens - c for c in own["cached"]],
@@ -204,15 +206,18 @@ def main() -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     median, first = report["median_ttft_ms"], report["first_hit_ttft_ms"]
+    spread = {name: f"{q1:.1f}-{q3:.1f} ms" for name, (q1, q3) in middle_half.items()}
     loads_unverified, loads_verified = report["load_calls_ms_per_hit_unverified_verified"]
     computed = report["tokens_computed_on_a_hit"]
     print(
         f"{args.prompts} prompts of {args.prompt_tokens} tokens"
         f"{', one core kept busy' if args.busy else ''}, first hits included:\n"
-        f"  vLLM's own hit {median['own_hit']:7.1f} ms (first {first['own']:.1f})\n"
-        f"  maru hit       {median['maru_hit']:7.1f} ms (first {first['maru']:.1f})\n"
+        f"  vLLM's own hit {median['own_hit']:7.1f} ms (first {first['own']:.1f}; "
+        f"middle half {spread['own_hit']})\n"
+        f"  maru hit       {median['maru_hit']:7.1f} ms (first {first['maru']:.1f}; "
+        f"middle half {spread['maru_hit']})\n"
         f"  the maru engine's own hit of each prompt after it "
-        f"{median['maru_engine_own_hit']:.1f} ms\n"
+        f"{median['maru_engine_own_hit']:.1f} ms (middle half {spread['maru_engine_own_hit']})\n"
         f"  tokens computed on a hit: own {computed['own']}, maru {computed['maru']}\n"
         f"maru's extra: {extra * 1e3:.1f} ms for {report['loaded_bytes_per_hit'] / 1e6:.1f} MB; "
         f"a memcpy of them: {memcpy_s * 1e3:.1f} ms ({memcpy:.1f} GB/s): "
@@ -234,6 +239,13 @@ def main() -> int:
         f"written to {args.output}"
     )
     return 0 if report["same_tokens_as_own_hit"] else 1
+
+
+def middle_half_ms(times_s: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of times, in ms: how far the hits spread (with
+    `--busy`, far more than a memcpy)."""
+    first, _, third = statistics.quantiles(times_s, n=4)
+    return first * 1e3, third * 1e3
 
 
 def shown(times: float) -> str:
