@@ -244,6 +244,8 @@ def main() -> int:
 def middle_half_ms(times_s: list[float]) -> tuple[float, float]:
     """The first and third quartiles of times, in ms: how far the hits spread (with
     `--busy`, far more than a memcpy)."""
+    if len(times_s) < 2:  # one prompt: no spread to show
+        return times_s[0] * 1e3, times_s[0] * 1e3
     first, _, third = statistics.quantiles(times_s, n=4)
     return first * 1e3, third * 1e3
 
