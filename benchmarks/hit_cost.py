@@ -12,6 +12,10 @@ on the same prompts ending mid-chunk, with a random Llama whose KV cache is larg
    engine's own hit on the blocks it loaded.
 
 So the hits compare like with like: their tokens are equal on a correct system. The
+engines are up side by side and take turns, prompt by prompt (the first engine a
+prompt ahead), each waiting while another runs: this machine's speed drifts by a
+quarter over seconds (an engine's own hits run at 16 ms for a while, then at 22 ms),
+so engines run one after another would each meet a different speed. The
 new engine's pairs set each maru hit against an own hit of the same prompt a moment
 later in the same process, so a competing load (`--busy`) touches both alike: the
 paired extra is the median over prompts of maru hit minus own hit.
@@ -22,12 +26,12 @@ inside the engine: as a share of the hit's time to first token, and in the load 
 
 maru's extra time (median maru hit minus median own hit) is set against a
 single-threaded memcpy of the bytes a hit loads, measured in the same run just
-before the maru hit engine: "0.8x memcpy" means the extra time is 1.25 memcpys; so
+before the engines take their turns: "0.8x memcpy" means the extra time is 1.25 memcpys; so
 are the paired extra and the time maru's load calls took inside the engine per hit
 (its connector's counters: the view, checks and copies, maru's own share of a hit),
 split into getting the objects (lookup, mapping, header check) and copying them.
-With `--busy`, another process keeps one core busy while the engines run (memcpy is
-measured without it). This machine's memory speed drifts by up to 3x over seconds to
+With `--busy`, another process keeps one core busy while the engines take their turns
+(memcpy is measured without it). This machine's memory speed drifts by up to 3x over seconds to
 minutes (a copy-bound load slows down, compute does not), so the paired extra and the
 load calls are also set against a memcpy of a hit's bytes that the new engine's
 process runs just before each of its maru hits, in the same moment (with `--busy`,
@@ -50,7 +54,7 @@ import numpy as np
 from e2e_vllm import memcpy_gb_s
 
 import maru
-from maru.cli._engine import run_engine
+from maru.cli._engine import EngineProcess, start_engine
 from maru.cli._tiny_model import build_tiny_llama
 from maru.cli.demo import connector_config, model_cache
 
@@ -105,7 +109,7 @@ def measured(run: Any, prompts: range) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=2100, help="2100: 8 chunks and a tail")
-    parser.add_argument("--prompts", type=int, default=6, help="measured, after a warm-up one")
+    parser.add_argument("--prompts", type=int, default=12, help="measured, after a warm-up one")
     parser.add_argument("--busy", action="store_true", help="keep one core busy meanwhile")
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/hit_cost.json"))
     args = parser.parse_args()
@@ -126,25 +130,32 @@ def main() -> int:
         rng.integers(1, MODEL["vocab"], args.prompt_tokens).tolist() for _ in range(args.prompts)
     ]
     log = model_cache().parent / "bench-engines.log"
-    runs, memcpy = {}, 0.0
     hit_bytes = args.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE * BYTES_PER_TOKEN
+    started: dict[str, EngineProcess] = {}
     try:
         for name, engine_config in engines.items():
-            if name == "maru_hit":
-                memcpy = memcpy_gb_s(args.prompt_tokens * BYTES_PER_TOKEN)
             print(f"engine {name} ...", file=sys.stderr, flush=True)
             twice = name in PAIRED
             warm_up = rng.integers(1, MODEL["vocab"], WARM_UP_TOKENS).tolist()
-            with competing_load(args.busy):
-                run = run_engine(
-                    model,
-                    [warm_up] + [p for p in prompts for _ in range(1 + twice)],
-                    kv_transfer_config=connector_config(engine_config),
-                    max_tokens=4,
-                    kv_cache_bytes=2 << 30,
-                    log_path=log,
-                    memcpy_bytes=hit_bytes if name == "maru_hit" else 0,
-                )
+            started[name] = start_engine(
+                model,
+                [warm_up] + [p for p in prompts for _ in range(1 + twice)],
+                held=True,
+                turns=[1] + [1 + twice] * args.prompts,
+                kv_transfer_config=connector_config(engine_config),
+                max_tokens=4,
+                kv_cache_bytes=2 << 30,
+                log_path=log,
+                memcpy_bytes=hit_bytes if name == "maru_hit" else 0,
+            )
+            started[name].wait_built()
+        memcpy = memcpy_gb_s(args.prompt_tokens * BYTES_PER_TOKEN)
+        print("the engines take turns, prompt by prompt ...", file=sys.stderr, flush=True)
+        with competing_load(args.busy):
+            take_turns(list(started.values()), args.prompts)
+        runs = {}
+        for name, engine in started.items():
+            run = engine.result()
             count = len(run.ttft_s)
             if name == "own_hit":  # the first runs stored the prompts
                 runs[name] = measured(run, range(2, count, 2))
@@ -154,6 +165,8 @@ def main() -> int:
             else:
                 runs[name] = measured(run, range(1, count))
     finally:
+        for engine in started.values():
+            engine.stop()
         with maru.open_store(config) as store:
             store.destroy()
     own, hit, paired_own = runs["own_hit"], runs["maru_hit"], runs["maru_engine_own_hit"]
@@ -184,6 +197,11 @@ def main() -> int:
         "paired_extra_ms": paired * 1e3,
         "memcpy_of_loaded_bytes_ms": memcpy_s * 1e3,
         "load_calls_ms_per_hit": load_s * 1e3,
+        "load_calls_ms": {
+            name: [t * 1e3 for t in per_hit_counter(r, "load_seconds")]
+            for name, r in runs.items()
+            if name.startswith("maru_hit")
+        },
         "getting_objects_ms_per_hit": statistics.median(per_hit_counter(hit, "load_open_seconds"))
         * 1e3,
         "load_calls_vs_memcpy": times_memcpy(memcpy_s, load_s),
@@ -239,6 +257,21 @@ def main() -> int:
         f"written to {args.output}"
     )
     return 0 if report["same_tokens_as_own_hit"] else 1
+
+
+def take_turns(engines: list[EngineProcess], prompts: int) -> None:
+    """Each engine's warm-up, then prompt by prompt: the first engine (which stores them)
+    a prompt ahead of the others (which load them), so no load reads objects just
+    written, still in the CPU's caches; every kind of hit meets the same moments."""
+    first, loading = engines[0], engines[1:]
+    for engine in engines:
+        engine.take_turn()
+    first.take_turn()
+    for prompt in range(prompts):
+        if prompt + 1 < prompts:
+            first.take_turn()
+        for engine in loading:
+            engine.take_turn()
 
 
 def middle_half_ms(times_s: list[float]) -> tuple[float, float]:

@@ -336,6 +336,30 @@ def test_a_router_following_kv_events_sees_what_the_store_holds(tiny_model, shm_
     assert set(live) == held
 
 
+def test_engines_taking_turns_run_each_group_of_prompts_only_when_let(tiny_model, shm_pool):
+    """Engines up side by side, taking turns: the reader loads what the writer's first
+    turn stored and misses what its second has not stored yet, which the writer's second
+    turn then loads from what the reader saved."""
+    config = maru_config("shm", shm={"name": shm_pool})
+    first, second = prompts(5, count=1)[0], prompts(6, count=1)[0]
+    writer, reader = (
+        start_engine(tiny_model, [first, second], held=True, turns=turns, kv_transfer_config=config)
+        for turns in ([1, 1], [2])
+    )
+    try:
+        writer.wait_built()
+        reader.wait_built()
+        for engine in (writer, reader, writer):
+            engine.take_turn()
+        written, read = writer.result(), reader.result()
+    finally:
+        writer.stop()
+        reader.stop()
+    assert read.external_cached_tokens == [OWN_HIT, 0]
+    assert written.external_cached_tokens == [0, OWN_HIT]
+    assert written.token_ids == read.token_ids
+
+
 def test_the_weights_not_the_path_decide_what_is_shared(tiny_model, baseline, tmp_path, shm_pool):
     config = maru_config("shm", shm={"name": shm_pool})
     run_engine(tiny_model, PROMPTS_A[:1], kv_transfer_config=config)

@@ -165,6 +165,16 @@ def test_a_test_not_marked_slow_cannot_start_a_vllm_engine(tmp_path) -> None:
         run_engine(tmp_path, [[1, 2, 3]], timeout_s=60)
 
 
+@pytest.mark.parametrize(("turns", "sequential"), [([1, 1], True), ([3, 0], True), ([1, 2], False)])
+def test_turns_that_do_not_split_a_sequential_run_are_refused_before_an_engine_starts(
+    tmp_path, turns, sequential
+) -> None:
+    from maru.cli._engine import start_engine
+
+    with pytest.raises(ValueError, match=rf"turns=\[{turns[0]}, {turns[1]}\] must be sizes"):
+        start_engine(tmp_path, [[1], [2], [3]], turns=turns, sequential=sequential)
+
+
 def die_of_sigill(send) -> None:
     os.kill(os.getpid(), signal.SIGILL)
 

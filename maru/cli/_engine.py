@@ -78,7 +78,7 @@ class EngineRun:
     startup_s: float
     """Seconds to import vLLM and construct the `LLM` (model load, KV cache allocation)."""
     generate_s: float
-    """Seconds spent in `LLM.generate` over all prompts."""
+    """Seconds spent in `LLM.generate` over all prompts (waits between turns left out)."""
     wall_s: float = 0.0
     """Seconds from starting the child process to receiving its result (set by parent)."""
     exit_s: float = 0.0
@@ -144,6 +144,7 @@ def start_engine(
     log_path: str | os.PathLike[str] | None = None,
     reset_after: dict[str, Any] | None = None,
     memcpy_bytes: int = 0,
+    turns: list[int] | None = None,
 ) -> EngineProcess:
     """Start a fresh vLLM engine in a spawned process that runs `prompts`.
 
@@ -166,11 +167,20 @@ def start_engine(
     memcpy of that many bytes in the engine's process, from and to memory the CPU's
     caches do not hold, timed (`extra["memcpy_s_before_prompt"]`): a baseline next to
     each prompt in time, on a machine whose memory speed drifts.
+    With `turns` (sequential runs; the sizes of consecutive groups of `prompts`, summing
+    to their number), the engine runs one group each time `EngineProcess.take_turn()`
+    lets it and waits in between: engines up side by side can take turns prompt by
+    prompt, so a machine whose speed drifts over seconds touches each of them alike.
 
     Uses the `spawn` start method, so a calling script needs an
     `if __name__ == "__main__":` guard (pytest needs none). Raises `EngineRunError`
     with the child's traceback if the engine fails, dies or exceeds `timeout_s`.
     """
+    if turns is not None and (not sequential or sum(turns) != len(prompts) or min(turns) < 1):
+        raise ValueError(
+            f"turns={turns} must be sizes of at least 1 that sum to the {len(prompts)} "
+            f"prompts, of a sequential run (sequential={sequential})"
+        )
     job = {
         "model_dir": str(model_dir),
         "prompts": [list(map(int, p)) for p in prompts],
@@ -188,19 +198,33 @@ def start_engine(
         "log_path": str(log_path) if log_path else None,
         "reset_after": reset_after,
         "memcpy_bytes": memcpy_bytes,
+        "turns": turns,
     }
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
     built, go = ctx.Event(), ctx.Event()
+    turn = Turn(ctx.Semaphore(0), ctx.Semaphore(0))
     if not held:
         go.set()
-    proc = ctx.Process(target=_engine_child, args=(job, send, built, go), name="maru-vllm-engine")
+    proc = ctx.Process(
+        target=_engine_child, args=(job, send, built, go, turn), name="maru-vllm-engine"
+    )
     started = time.perf_counter()
     proc.start()
     send.close()
-    return EngineProcess(proc, recv, built, go, started, timeout_s)
+    return EngineProcess(proc, recv, built, go, turn, started, timeout_s)
+
+
+@dataclass
+class Turn:
+    """The handshake of an engine started with `turns`: the parent releases `begin` for
+    each group of prompts, the child releases `ended` once it has run it; after the
+    last, `begin` once more lets the child finish (`EngineProcess.result`)."""
+
+    begin: Any
+    ended: Any
 
 
 @dataclass
@@ -213,6 +237,7 @@ class EngineProcess:
     """Set by the child once its LLM is built."""
     go: Any
     """Set to let the child generate."""
+    turn: Turn
     started: float
     timeout_s: float
 
@@ -226,6 +251,24 @@ class EngineProcess:
         """Let a held engine generate."""
         self.go.set()
 
+    def take_turn(self) -> None:
+        """Let an engine started with `turns` run its next group of prompts; return once
+        it has (raises `EngineRunError` if the engine failed or ended instead)."""
+        self.release()
+        self.turn.begin.release()
+        deadline = time.monotonic() + self.timeout_s
+        while not self.turn.ended.acquire(timeout=0.5):
+            over = time.monotonic() > deadline
+            if self.proc.is_alive() and not self.recv.poll(0) and not over:
+                continue
+            if self.turn.ended.acquire(timeout=0):  # it ended its turn, then the run
+                return
+            if over:
+                self.stop()
+                raise EngineRunError(f"the engine's turn took over {self.timeout_s:.0f} s")
+            self.result()  # raises with the child's traceback if it failed
+            raise EngineRunError("the engine ended without running this turn (none was left)")
+
     def stop(self) -> None:
         """End the process if it still runs (e.g. a held engine that is not needed)."""
         if self.proc.is_alive():
@@ -235,6 +278,7 @@ class EngineProcess:
     def result(self) -> EngineRun:
         """Release the engine and wait for what it produced."""
         self.release()
+        self.turn.begin.release()  # an engine with turns waits for it once they are done
         try:
             result = _receive(self.recv, self.proc, self.timeout_s)
             received = time.perf_counter()
@@ -298,14 +342,14 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _engine_child(job: dict[str, Any], send: Any, built: Any, go: Any) -> None:
+def _engine_child(job: dict[str, Any], send: Any, built: Any, go: Any, turn: Turn) -> None:
     """Spawned process entry point: run the job, send ("ok", fields) or ("error", text)."""
     try:
         if job["log_path"]:
             log = os.open(job["log_path"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(log, 1)
             os.dup2(log, 2)
-        result: tuple[str, Any] = ("ok", _run_job(job, built, go))
+        result: tuple[str, Any] = ("ok", _run_job(job, built, go, turn))
     except BaseException:  # report everything, including SystemExit from vLLM
         result = ("error", traceback.format_exc())
     try:
@@ -338,7 +382,7 @@ def timed_memcpy(nbytes: int, slots: int = 4) -> Callable[[], float]:
     return copy
 
 
-def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
+def _run_job(job: dict[str, Any], built: Any, go: Any, turn: Turn) -> dict[str, Any]:
     """Build the LLM and generate, in the child. Returns `EngineRun` fields."""
     os.environ.update(job["env"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -390,9 +434,16 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
     totals_after: list[dict[str, float]] = []
     memcpy_s: list[float] = []
     copy = timed_memcpy(job["memcpy_bytes"]) if job["memcpy_bytes"] else None
-    t1 = time.perf_counter()
+    turn_starts = set(itertools.accumulate([0, *job["turns"][:-1]])) if job["turns"] else set()
+    t1, waited_s = time.perf_counter(), 0.0
     if sequential:
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
+            if index in turn_starts:
+                if index:
+                    turn.ended.release()
+                waiting = time.perf_counter()
+                turn.begin.acquire()
+                waited_s += time.perf_counter() - waiting
             if copy:
                 memcpy_s.append(copy())
             before = prefix_metrics(llm)
@@ -403,10 +454,14 @@ def _run_job(job: dict[str, Any], built: Any, go: Any) -> dict[str, Any]:
             external.append(int(hits) if has_connector else None)
             if has_connector:
                 totals_after.append(connector_totals(llm))
+        if turn_starts:
+            turn.ended.release()
+            # Idle until asked for the result: ending now would run beside other turns.
+            turn.begin.acquire()
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         external = [None] * len(prompts)
-    generate_s = time.perf_counter() - t1
+    generate_s = time.perf_counter() - t1 - waited_s
     reset = llm.reset_prefix_cache(**job["reset_after"]) if job["reset_after"] else None
 
     ttft: list[float | None] = []
