@@ -54,7 +54,8 @@ import numpy as np
 from e2e_vllm import memcpy_gb_s
 
 import maru
-from maru.cli._engine import EngineProcess, start_engine
+from maru.cli._engine import start_engine
+from maru.cli._engine_process import EngineProcess
 from maru.cli._tiny_model import build_tiny_llama
 from maru.cli.demo import connector_config, model_cache
 

@@ -182,7 +182,7 @@ def die_of_sigill(send) -> None:
 def test_an_engine_process_killed_by_a_signal_is_reported_by_the_signals_name() -> None:
     """A crash in native code (vLLM's CPU attention once died of SIGILL) sends no result:
     the harness names the signal instead of guessing the job never started."""
-    from maru.cli._engine import _receive
+    from maru.cli._engine_process import _receive
 
     context = mp.get_context("spawn")
     recv, send = context.Pipe(duplex=False)
