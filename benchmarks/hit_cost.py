@@ -104,9 +104,7 @@ def measured(run: Any, prompts: range) -> dict[str, Any]:
         "cached": [run.num_cached_tokens[i] for i in prompts],
         "token_ids": [run.token_ids[i] for i in prompts],
         "totals": [totals[i - 1 : i + 1] for i in prompts] if totals else None,
-        "memcpy_s": [run.extra["memcpy_s_before_prompt"][i] for i in prompts]
-        if run.extra["memcpy_s_before_prompt"]
-        else None,
+        "memcpy_s": [run.extra["memcpy_s_before_prompt"][i] for i in prompts],
     }
 
 
