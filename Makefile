@@ -121,6 +121,8 @@ bench: $(STAMP) redis-server $(LMCACHE_STAMP)
 	$(BIN)/python benchmarks/e2e_vllm.py
 	$(BIN)/python benchmarks/hit_cost.py
 	$(BIN)/python benchmarks/hit_cost.py --busy --output benchmarks/results/hit_cost_busy.json
+	$(BIN)/python benchmarks/hit_cost.py --busy --omp-wait-policy passive \
+	  --output benchmarks/results/hit_cost_busy_passive.json
 	$(BIN)/python benchmarks/online_serve.py --lmcache .venv-lmcache
 	$(BIN)/python benchmarks/pool_attach.py
 	$(BIN)/python benchmarks/load_checksum.py

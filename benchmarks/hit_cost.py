@@ -31,14 +31,20 @@ are the paired extra and the time maru's load calls took inside the engine per h
 (its connector's counters: the view, checks and copies, maru's own share of a hit),
 split into getting the objects (lookup, mapping, header check) and copying them.
 With `--busy`, another process keeps one core busy while the engines take their turns
-(memcpy is measured without it). This machine's memory speed drifts by up to 3x over seconds to
-minutes (a copy-bound load slows down, compute does not), so the paired extra and the
-load calls are also set against a memcpy of a hit's bytes that the new engine's
-process runs just before each of its maru hits, in the same moment (with `--busy`,
-under the same load): the median over hits of each ratio. Every engine runs that
-memcpy before each of its prompts, so every kind of hit starts with the same CPU
-caches: ones that hold none of its KV (a repeated prefix in serving comes after other
-work, not straight after its own prefill, which leaves much of its 34 MB in a 32 MB L3).
+(memcpy is measured without it). The engines' OpenMP threads (libgomp) spin a while
+before they sleep, so there a forward's barriers keep waiting for a thread that the
+other process holds the core from, and every kind of hit, vLLM's own included, runs at
+30-50 ms or at 90-400 ms, prompt by prompt: a difference of a few ms drowns in that.
+`--omp-wait-policy passive` lets the engines' threads sleep at once (what a node shared
+with other work wants), which leaves vLLM's own hits steady under that load. This
+machine's memory speed drifts by up to 3x over seconds to minutes (a copy-bound load
+slows down, compute does not), so the paired extra and the load calls are also set
+against a memcpy of a hit's bytes that the new engine's process runs just before each of
+its maru hits, in the same moment (with `--busy`, under the same load): the median over
+hits of each ratio. Every engine runs that memcpy before each of its prompts, so every
+kind of hit starts with the same CPU caches: ones that hold none of its KV (a repeated
+prefix in serving comes after other work, not straight after its own prefill, which
+leaves much of its 34 MB in a 32 MB L3).
 `python benchmarks/hit_cost.py --help`.
 """
 
@@ -47,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -92,6 +99,24 @@ def competing_load(busy: bool):
         spinner.wait()
 
 
+def add_omp_wait_policy(parser: argparse.ArgumentParser) -> None:
+    """`--omp-wait-policy`: how the engines' OpenMP threads wait between parallel work."""
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=("active", "passive"),
+        help="the engines' OMP_WAIT_POLICY (default: the environment's; unset, libgomp's "
+        "threads spin a while, then sleep); passive: they sleep at once, as on a shared node",
+    )
+
+
+def set_omp_wait_policy(policy: str | None) -> str | None:
+    """Give the engines `policy` (their processes inherit the environment); the policy
+    they run with."""
+    if policy:
+        os.environ["OMP_WAIT_POLICY"] = policy.upper()
+    return os.environ.get("OMP_WAIT_POLICY")
+
+
 PAIRED = ("own_hit", "maru_hit")
 """Engines that run each prompt twice: the second run is the engine's own hit."""
 
@@ -113,8 +138,10 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=2100, help="2100: 8 chunks and a tail")
     parser.add_argument("--prompts", type=int, default=24, help="measured, after a warm-up one")
     parser.add_argument("--busy", action="store_true", help="keep one core busy meanwhile")
+    add_omp_wait_policy(parser)
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/hit_cost.json"))
     args = parser.parse_args()
+    policy = set_omp_wait_policy(args.omp_wait_policy)
     model = build_tiny_llama(model_cache() / "bench-llama-kv-8x512", **MODEL)
     rng = np.random.default_rng()
     pool = f"bench-hit-{rng.integers(1 << 30)}"
@@ -182,6 +209,7 @@ def main() -> int:
     beside = hit["memcpy_s"]  # a memcpy of a hit's bytes in the engine just before each hit
     report = {
         "busy": args.busy,
+        "omp_wait_policy": policy,
         "prompt_tokens": args.prompt_tokens,
         "prompts": args.prompts,
         "model": MODEL,
@@ -231,7 +259,8 @@ def main() -> int:
     computed = report["tokens_computed_on_a_hit"]
     print(
         f"{args.prompts} prompts of {args.prompt_tokens} tokens"
-        f"{', one core kept busy' if args.busy else ''}, first hits included:\n"
+        f"{', one core kept busy' if args.busy else ''}, first hits included"
+        f"{policy_shown(policy)}:\n"
         f"  vLLM's own hit {median['own_hit']:7.1f} ms (first {first['own']:.1f}; "
         f"middle half {spread['own_hit']})\n"
         f"  maru hit       {median['maru_hit']:7.1f} ms (first {first['maru']:.1f}; "
@@ -274,6 +303,11 @@ def take_turns(engines: list[EngineProcess], prompts: int) -> None:
             first.take_turn()
         for engine in loading:
             engine.take_turn()
+
+
+def policy_shown(policy: str | None) -> str:
+    """The engines' OpenMP wait policy as the report's first line names it."""
+    return f", OMP_WAIT_POLICY={policy}" if policy else ""
 
 
 def middle_half_ms(times_s: list[float]) -> tuple[float, float]:

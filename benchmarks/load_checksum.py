@@ -26,12 +26,12 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 
 import maru
+from maru.cli._cpu_caches import last_level_cache_bytes
 from maru.layouts import BlocksFirst, KVFirst, recognise
 from maru.transfer import Blocks, ChunkCopy, DataPath, host_tensor
 
@@ -95,16 +95,6 @@ def main() -> int:
 def kv_caches(blocks: int) -> dict[str, torch.Tensor]:
     """A CPU KV cache of `blocks` blocks per layer in vLLM's (2, NB, H, BS, D) layout."""
     return {f"layer{i}": torch.zeros(2, blocks, HEADS, BLOCK_SIZE, HEAD_DIM) for i in range(LAYERS)}
-
-
-def last_level_cache_bytes() -> int:
-    """The size of the CPU's last-level cache (64 MiB where Linux does not say)."""
-    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))
-    if not caches:
-        return 64 * 2**20
-    size = caches[-1].read_text().strip()
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    return int(size.rstrip("KMG")) * units.get(size[-1], 1)
 
 
 def memcpy(source: np.ndarray, target: np.ndarray, nbytes: int, slot: int) -> None:

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from hit_cost import competing_load
+from hit_cost import add_omp_wait_policy, competing_load, policy_shown, set_omp_wait_policy
 
 import maru
 from maru.cli._serve import counter, free_port, running, serve
@@ -190,6 +190,7 @@ def main() -> int:
     parser.add_argument("--suffix-tokens", type=int, default=33)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--busy", action="store_true", help="keep one core busy meanwhile")
+    add_omp_wait_policy(parser)
     parser.add_argument("--rounds", type=int, default=3, help="server 2's pairs of passes")
     parser.add_argument("--lmcache", type=Path, help="an environment with LMCache: compare")
     parser.add_argument(
@@ -201,6 +202,7 @@ def main() -> int:
     )
     parser.add_argument("--output", type=Path, default=Path("benchmarks/results/online.json"))
     args = parser.parse_args()
+    args.omp_wait_policy = set_omp_wait_policy(args.omp_wait_policy)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # the servers' /reset_prefix_cache
     args.model = add_word_tokenizer(
         build_tiny_llama(model_cache() / "bench-online-llama", **MODEL), MODEL["vocab"]
@@ -216,7 +218,8 @@ def main() -> int:
     args.output.write_text(json.dumps(report, indent=2))
     print(
         f"{args.prompts} prompts of {args.prefix_tokens} + {args.suffix_tokens} tokens, "
-        f"concurrency {args.concurrency}{', one core kept busy' if args.busy else ''}; "
+        f"concurrency {args.concurrency}{', one core kept busy' if args.busy else ''}"
+        f"{policy_shown(args.omp_wait_policy)}; "
         f"median time to first token:"
     )
     for name, value in report["median_ttft_ms"].items():
@@ -263,6 +266,7 @@ def summary(passes: dict[str, list[dict]], counters: dict, args: argparse.Namesp
             if not name.endswith("cold")
         },
         "busy": args.busy,
+        "omp_wait_policy": args.omp_wait_policy,
         "rounds": args.rounds,
         "lmcache_server": [*LMCACHE_SERVER, "--chunk-size", str(args.lmcache_chunk_tokens)]
         if args.lmcache

@@ -33,6 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 
 import maru
 from maru.backends.registry import backend_class
+from maru.cli._cpu_caches import last_level_cache_bytes
 from maru.cli.command import Result, add_config_option
 from maru.cli.plots import bench_plot, png_destination, require_matplotlib
 from maru.config import resolve_config
@@ -94,11 +95,7 @@ def has_private_store(backend: str) -> bool:
 
 def arena_bytes() -> int:
     """Bytes of each rotating buffer: ARENA_BYTES, or 4 times the L3 cache if larger."""
-    try:
-        l3 = os.sysconf("SC_LEVEL3_CACHE_SIZE")
-    except (ValueError, OSError):
-        l3 = 0
-    return max(ARENA_BYTES, 4 * l3)
+    return max(ARENA_BYTES, 4 * last_level_cache_bytes())
 
 
 class Rotation:
