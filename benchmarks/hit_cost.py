@@ -41,10 +41,10 @@ machine's memory speed drifts by up to 3x over seconds to minutes (a copy-bound 
 slows down, compute does not), so the paired extra and the load calls are also set
 against a memcpy of a hit's bytes that the new engine's process runs just before each of
 its maru hits, in the same moment (with `--busy`, under the same load): the median over
-hits of each ratio. Every engine runs that memcpy before each of its prompts, so every
-kind of hit starts with the same CPU caches: ones that hold none of its KV (a repeated
-prefix in serving comes after other work, not straight after its own prefill, which
-leaves much of its 34 MB in a 32 MB L3).
+hits of each ratio. Every engine runs that memcpy, then reads four last-level caches of
+other memory, before each of its prompts, so every kind of hit starts with the same CPU
+caches: ones that hold none of its KV (a repeated prefix in serving comes after other
+work, not straight after its own prefill, which leaves much of its 34 MB in a 32 MB L3).
 `python benchmarks/hit_cost.py --help`.
 """
 

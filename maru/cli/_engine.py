@@ -212,8 +212,8 @@ def timed_memcpy(nbytes: int, slots: int = 4) -> Callable[[], float]:
     """A function that copies `nbytes` once (numpy, in this thread), each call from and
     to other memory of `slots` rotating slots, and returns the seconds it took; then it
     reads `EVICTING_CACHES` times the last-level cache, untimed, so what runs next finds
-    nothing of its own in the caches (the copy alone, 34 MB through a 32 MB L3, left
-    about 1 ms of a vLLM prefix-cache hit's forward there)."""
+    nothing of its own in the caches (after the copy alone, 34 MB through a 32 MB L3, a
+    vLLM prefix-cache hit still found about 1 ms of its forward's KV there)."""
     source, target = np.ones(slots * nbytes, np.uint8), np.ones(slots * nbytes, np.uint8)
     evicting = np.ones(EVICTING_CACHES * last_level_cache_bytes(), np.uint8)
     turns = itertools.count()
