@@ -34,7 +34,9 @@ With `--busy`, another process keeps one core busy while the engines take their 
 (memcpy is measured without it). The engines' OpenMP threads (libgomp) spin a while
 before they sleep, so there a forward's barriers keep waiting for a thread that the
 other process holds the core from, and every kind of hit, vLLM's own included, runs at
-30-50 ms or at 90-400 ms, prompt by prompt: a difference of a few ms drowns in that.
+30-50 ms or at 90-400 ms, prompt by prompt: a difference of a few ms drowns in that,
+and the medians say which mode each kind of hit met more often. So the report counts
+each kind's hits in the slow mode.
 `--omp-wait-policy passive` lets the engines' threads sleep at once (what a node shared
 with other work wants), which leaves vLLM's own hits steady under that load. This
 machine's memory speed drifts by up to 3x over seconds to minutes (a copy-bound load
@@ -117,6 +119,10 @@ def set_omp_wait_policy(policy: str | None) -> str | None:
     return os.environ.get("OMP_WAIT_POLICY")
 
 
+SLOW_MODE = 1.5
+"""A hit over this many times the first quartile of vLLM's own hits ran in the slow mode
+(with `--busy` and libgomp's default, every kind of hit runs at one speed or at 2-10x it,
+so the medians say which mode each kind met more often, not what a load costs)."""
 PAIRED = ("own_hit", "maru_hit")
 """Engines that run each prompt twice: the second run is the engine's own hit."""
 
@@ -206,6 +212,7 @@ def main() -> int:
     paired_extras = [m - o for m, o in zip(hit["ttft_s"], paired_own["ttft_s"], strict=True)]
     load_s, paired = statistics.median(load_calls), statistics.median(paired_extras)
     middle_half = {name: middle_half_ms(r["ttft_s"]) for name, r in runs.items()}
+    slow_ms = SLOW_MODE * middle_half["own_hit"][0]
     beside = hit["memcpy_s"]  # a memcpy of a hit's bytes in the engine just before each hit
     report = {
         "busy": args.busy,
@@ -218,6 +225,8 @@ def main() -> int:
         "ttft_ms": {name: [t * 1e3 for t in r["ttft_s"]] for name, r in runs.items()},
         "median_ttft_ms": {name: statistics.median(r["ttft_s"]) * 1e3 for name, r in runs.items()},
         "middle_half_ttft_ms": middle_half,
+        "slow_mode_over_ms": slow_ms,
+        "slow_mode_hits": slow_hits(runs, slow_ms),
         "first_hit_ttft_ms": {"own": own["ttft_s"][0] * 1e3, "maru": hit["ttft_s"][0] * 1e3},
         "tokens_computed_on_a_hit": {
             "own": [args.prompt_tokens - c for c in own["cached"]],
@@ -256,7 +265,7 @@ def main() -> int:
     median, first = report["median_ttft_ms"], report["first_hit_ttft_ms"]
     spread = {name: f"{q1:.1f}-{q3:.1f} ms" for name, (q1, q3) in middle_half.items()}
     loads_unverified, loads_verified = report["load_calls_ms_per_hit_unverified_verified"]
-    computed = report["tokens_computed_on_a_hit"]
+    computed, slow = report["tokens_computed_on_a_hit"], report["slow_mode_hits"]
     print(
         f"{args.prompts} prompts of {args.prompt_tokens} tokens"
         f"{', one core kept busy' if args.busy else ''}, first hits included"
@@ -268,6 +277,9 @@ def main() -> int:
         f"  the maru engine's own hit of each prompt after it "
         f"{median['maru_engine_own_hit']:.1f} ms (middle half {spread['maru_engine_own_hit']})\n"
         f"  tokens computed on a hit: own {computed['own']}, maru {computed['maru']}\n"
+        f"  hits in the slow mode (over {slow_ms:.1f} ms, {SLOW_MODE}x the own hits' first "
+        f"quartile): own {slow['own_hit']}, maru {slow['maru_hit']}, the maru engine's own "
+        f"{slow['maru_engine_own_hit']}, of {args.prompts}\n"
         f"maru's extra: {extra * 1e3:.1f} ms for {report['loaded_bytes_per_hit'] / 1e6:.1f} MB; "
         f"a memcpy of them: {memcpy_s * 1e3:.1f} ms ({memcpy:.1f} GB/s): "
         f"{shown(report['extra_vs_memcpy'])}\n"
@@ -317,6 +329,11 @@ def middle_half_ms(times_s: list[float]) -> tuple[float, float]:
         return times_s[0] * 1e3, times_s[0] * 1e3
     first, _, third = statistics.quantiles(times_s, n=4)
     return first * 1e3, third * 1e3
+
+
+def slow_hits(runs: dict[str, dict[str, Any]], over_ms: float) -> dict[str, int]:
+    """Per engine run, how many of its hits took longer than `over_ms`."""
+    return {name: sum(t * 1e3 > over_ms for t in r["ttft_s"]) for name, r in runs.items()}
 
 
 def shown(times: float) -> str:
