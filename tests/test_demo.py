@@ -34,6 +34,8 @@ def test_the_demo_runs_from_a_fresh_home_and_leaves_no_pool(fresh_home, capsys) 
     assert "tokens engine B loaded from maru: 512" in out
     assert "(512 tokens cached)" in out, "A's own hit has the same length as B's"
     assert "outputs identical (engine B's maru hit vs engine A's own cache hit): True" in out
+    assert "each engine's first request (before these, 24 tokens of its own" in out
+    assert "objects=3," in out, "the prompt's two chunks and A's record: warm-ups store nothing"
     assert f"capacity={256 * 2**20}," in out, "the demo's own small pool"
     assert set(SHM_DIR.glob("maru-*")) == pools_before, "nothing left in shared memory"
     assert (fresh_home / ".cache/maru/demo-engines.log").stat().st_size > 0
