@@ -35,6 +35,5 @@ def test_the_slow_mode_starts_above_the_own_hits_first_quartile(hit_cost) -> Non
     """A bimodal run: a quarter or more of vLLM's own hits are fast, so the threshold sits
     above the fast mode and below the slow one."""
     own = [0.035, 0.038, 0.040, 0.041, 0.120, 0.150, 0.300, 0.110]
-    first_quartile, _ = hit_cost.middle_half_ms(own)
-    over_ms = hit_cost.SLOW_MODE * first_quartile
+    over_ms = hit_cost.slow_mode_over_ms(own)
     assert max(t for t in own if t < 0.1) * 1e3 < over_ms < min(t for t in own if t > 0.1) * 1e3

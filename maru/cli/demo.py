@@ -7,8 +7,9 @@ prefix from maru instead of computing it. The demo prints the times to first
 token, how many tokens B loaded, and whether B's output is identical to A's
 own prefix-cache hit: the same KV bytes and the same hit length, so the only
 difference is where the KV came from. Each engine runs a short prompt of its own
-first, so no timed request is an engine's first. (Compared with A's cold prefill instead,
-a bf16 model may differ in low bits from other batch shapes: not a maru fault.)
+first, so no timed request is an engine's first. (Compared with A's cold prefill
+instead, a bf16 model may differ in low bits from other batch shapes: not a maru
+fault.)
 """
 
 from __future__ import annotations
