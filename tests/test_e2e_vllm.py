@@ -360,6 +360,33 @@ def test_engines_taking_turns_run_each_group_of_prompts_only_when_let(tiny_model
     assert written.token_ids == read.token_ids
 
 
+def cpus_with_a_thread_of_their_own(pid: int) -> set[int]:
+    """The CPUs to which one of process `pid`'s threads is bound alone."""
+    bound = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/status") as status:
+            allowed = next(line for line in status if line.startswith("Cpus_allowed_list:"))
+        cpus = allowed.split(":")[1].strip()
+        if cpus.isdigit():
+            bound.add(int(cpus))
+    return bound
+
+
+def test_an_engine_binds_an_openmp_thread_to_each_cpu_as_vllms_worker_does(tiny_model):
+    """The harness runs the worker in the engine's process, which vLLM does not bind: the
+    engine is spawned with the binding vLLM's worker processes get."""
+    engine = start_engine(tiny_model, PROMPTS_A[:2], held=True, turns=[1, 1])
+    try:
+        engine.wait_built()
+        engine.take_turn()  # a prefill: the forward's OpenMP threads are up
+        bound = cpus_with_a_thread_of_their_own(engine.proc.pid)
+        engine.take_turn()
+        engine.result()
+    finally:
+        engine.stop()
+    assert bound == os.sched_getaffinity(0)
+
+
 def test_the_weights_not_the_path_decide_what_is_shared(tiny_model, baseline, tmp_path, shm_pool):
     config = maru_config("shm", shm={"name": shm_pool})
     run_engine(tiny_model, PROMPTS_A[:1], kv_transfer_config=config)

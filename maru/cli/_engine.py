@@ -8,7 +8,9 @@ registry, torch threads) into the caller. So:
   (no tokenizer; engines take token-id prompts), and
 - `run_engine` starts a fresh `spawn`-ed Python process per call that builds a
   `vllm.LLM` with the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
-  generates greedily and sends back token ids, timings and cache-hit counts.
+  generates greedily and sends back token ids, timings and cache-hit counts. Its
+  worker runs in that process, which vLLM does not bind: the process is spawned with the
+  OpenMP binding vLLM gives its CPU worker processes (`maru.cli._thread_binding`).
 
 Two `run_engine` calls are two engine processes: what the second one gets from an
 external KV store it cannot have from vLLM's own prefix cache.
@@ -46,6 +48,7 @@ from maru.cli._engine_inspect import (
     prefix_metrics,
 )
 from maru.cli._engine_process import EngineProcess, EngineRun, EngineRunError, Turn
+from maru.cli._thread_binding import in_process_worker_binding, spawned_with
 
 MIB = 1 << 20
 
@@ -174,7 +177,8 @@ def start_engine(
         target=_engine_child, args=(job, send, built, go, turn), name="maru-vllm-engine"
     )
     started = time.perf_counter()
-    proc.start()
+    with spawned_with(in_process_worker_binding(job["llm_kwargs"], job["env"])):
+        proc.start()
     send.close()
     return EngineProcess(proc, recv, built, go, turn, started, timeout_s)
 
