@@ -33,14 +33,12 @@ are the paired extra and the time maru's load calls took inside the engine per h
 (its connector's counters: the view, checks and copies, maru's own share of a hit),
 split into getting the objects (lookup, mapping, header check) and copying them.
 With `--busy`, another process keeps one core busy while the engines take their turns
-(memcpy is measured without it). The engines' OpenMP threads (libgomp) spin a while
-before they sleep, so there a forward's barriers keep waiting for a thread that the
-other process holds the core from, and every kind of hit, vLLM's own included, runs at
-30-50 ms or at 90-400 ms, prompt by prompt: a difference of a few ms drowns in that,
-and the medians say which mode each kind of hit met more often. So the report counts
-each kind's hits in the slow mode.
-`--omp-wait-policy passive` lets the engines' threads sleep at once (what a node shared
-with other work wants), which leaves vLLM's own hits steady under that load. This
+(memcpy is measured without it). The engines' OpenMP threads are bound one to a CPU, as
+vLLM binds its CPU worker's (`maru.cli._thread_binding`); left floating, they put a third
+to a half of every kind of hit, vLLM's own included, in a mode 2-10x slower, by chance,
+and the medians then said only which kind met it more often. So the report counts each
+kind's hits in the slow mode. `--omp-wait-policy passive` lets the engines' threads sleep
+at once instead of spinning a while after each parallel region. This
 machine's memory speed drifts by up to 3x over seconds to minutes (a copy-bound load
 slows down, compute does not), so the paired extra and the load calls are also set
 against a memcpy of a hit's bytes that the new engine's process runs just before each of
@@ -121,8 +119,8 @@ def set_omp_wait_policy(policy: str | None) -> str | None:
 
 SLOW_MODE = 1.5
 """A hit over this many times the first quartile of vLLM's own hits ran in the slow mode
-(with `--busy` and libgomp's default, every kind of hit runs at one speed or at 2-10x it,
-so the medians say which mode each kind met more often, not what a load costs)."""
+(with `--busy` and the engines' threads floating, every kind of hit ran at one speed or at
+2-10x it, by chance: a count near zero says the run was steady)."""
 PAIRED = ("own_hit", "maru_hit")
 """Engines that run each prompt twice: the second run is the engine's own hit."""
 
