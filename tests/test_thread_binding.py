@@ -27,6 +27,14 @@ def test_a_preload_already_asked_for_is_kept(monkeypatch):
     assert worker_binding([0])["LD_PRELOAD"] == f"/opt/libother.so:{torch_libgomp()}"
 
 
+def test_a_libgomp_preloaded_already_is_bound_and_another_openmp_is_left_alone(monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libgomp.so.1")
+    assert "LD_PRELOAD" not in worker_binding([0, 1])
+    assert worker_binding([0, 1])["GOMP_CPU_AFFINITY"] == "0 1"
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc_minimal.so.4:libiomp5.so")
+    assert worker_binding([0, 1]) == {}
+
+
 def test_an_engine_with_worker_processes_or_binding_off_is_spawned_as_it_is(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     cpus = " ".join(map(str, sorted(os.sched_getaffinity(0))))

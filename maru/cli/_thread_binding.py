@@ -34,18 +34,25 @@ def in_process_worker_binding(
     return worker_binding(sorted(os.sched_getaffinity(0)))
 
 
+OTHER_OPENMP_RUNTIMES = ("libiomp", "libomp")
+"""Intel's and LLVM's OpenMP, which vLLM binds its own way (`KMP_AFFINITY`, `OMP_PLACES`)."""
+
+
 def worker_binding(cpus: Sequence[int]) -> dict[str, str]:
-    """The environment of a vLLM CPU worker with an OpenMP thread bound to each of `cpus`;
-    empty (no binding) where PyTorch's libgomp is not found to preload."""
+    """The environment of a vLLM CPU worker with an OpenMP thread bound to each of `cpus`:
+    empty (no binding) where `LD_PRELOAD` names another OpenMP runtime (e.g. vLLM 0.18's
+    libiomp5, whose worker binds its threads itself) or no PyTorch libgomp is found to
+    preload; a libgomp preloaded already is kept."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    if any(runtime in preload for runtime in OTHER_OPENMP_RUNTIMES):
+        return {}
+    binding = {"OMP_NUM_THREADS": str(len(cpus)), "GOMP_CPU_AFFINITY": " ".join(map(str, cpus))}
+    if "libgomp" in preload:
+        return binding
     libgomp = torch_libgomp()
     if libgomp is None:
         return {}
-    preload = os.environ.get("LD_PRELOAD", "")
-    return {
-        "OMP_NUM_THREADS": str(len(cpus)),
-        "GOMP_CPU_AFFINITY": " ".join(map(str, cpus)),
-        "LD_PRELOAD": f"{preload}:{libgomp}" if preload else str(libgomp),
-    }
+    return {**binding, "LD_PRELOAD": f"{preload}:{libgomp}" if preload else str(libgomp)}
 
 
 def torch_libgomp() -> Path | None:
