@@ -37,6 +37,7 @@ def test_a_libgomp_preloaded_already_is_bound_and_another_openmp_is_left_alone(m
 
 def test_an_engine_with_worker_processes_or_binding_off_is_spawned_as_it_is(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)  # vLLM 0.18's lane preloads libiomp5
     cpus = " ".join(map(str, sorted(os.sched_getaffinity(0))))
     assert in_process_worker_binding({}, {})["GOMP_CPU_AFFINITY"] == cpus
     assert in_process_worker_binding({"distributed_executor_backend": "mp"}, {}) == {}
