@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 
 def in_process_worker_binding(
@@ -69,17 +70,7 @@ def torch_libgomp() -> Path | None:
     return None
 
 
-@contextlib.contextmanager
-def spawned_with(env: Mapping[str, str]) -> Iterator[None]:
+def spawned_with(env: Mapping[str, str]) -> contextlib.AbstractContextManager[Any]:
     """`env` in `os.environ` meanwhile: what a process spawned meanwhile starts with
     (multiprocessing's spawn passes this process's environment); restored after."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return mock.patch.dict(os.environ, env)
