@@ -195,3 +195,58 @@ def test_the_pool_commands_work_on_a_disk_store(capsys, tmp_path) -> None:
         assert store.contains(chunks) == [False, True]
     assert run(capsys, "pool", "destroy", "--config", str(config))[0] == 0
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("configured", [None, "128MiB"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("pool", "stats"),
+        ("pool", "namespaces"),
+        ("pool", "clear"),
+        ("doctor",),
+        ("pool", "destroy"),
+    ],
+)
+def test_every_command_on_an_existing_pool_uses_the_capacity_it_was_created_with(
+    capsys, monkeypatch, pool_names, command, configured
+) -> None:
+    """An operator inspecting a pool (one vLLM made from its extra config, say) need not
+    know its capacity: the command attaches as the pool is, and notes the difference."""
+    name = pool_names()
+    monkeypatch.setenv("MARU_BACKEND", "shm")
+    monkeypatch.setenv("MARU_SHM__NAME", name)
+    monkeypatch.setenv("MARU_CAPACITY", "64MiB")
+    assert run(capsys, "pool", "create")[0] == 0
+    with maru.open_store(maru.MaruConfig(backend="shm", capacity="64MiB", shm={"name": name})) as s:
+        s.put(b"maru/default/k", b"x")
+    if configured is None:
+        monkeypatch.delenv("MARU_CAPACITY")
+    else:
+        monkeypatch.setenv("MARU_CAPACITY", configured)
+    code, out, err = run(capsys, *command)
+    assert code == 0, err
+    configured_text = "128 MiB" if configured else "4 GiB"
+    assert err.count("note:") == 1
+    assert f"has capacity 64 MiB (configured: {configured_text}" in err
+    if command == ("pool", "stats"):
+        assert "67108864" in out
+    assert shm_path(name).exists() == (command != ("pool", "destroy"))
+
+
+def test_a_command_on_a_pool_with_the_configured_capacity_notes_nothing(
+    capsys, pool_config
+) -> None:
+    config, _ = pool_config
+    assert run(capsys, "pool", "create", "--config", config)[0] == 0
+    code, _, err = run(capsys, "pool", "stats", "--config", config)
+    assert code == 0 and "note:" not in err
+
+
+def test_a_process_that_creates_the_store_still_refuses_another_capacity(pool_names) -> None:
+    """Only tools adopt the pool's capacity: an engine configured otherwise is told."""
+    name = pool_names()
+    with maru.open_store(maru.MaruConfig(backend="shm", capacity="64MiB", shm={"name": name})):
+        pass
+    with pytest.raises(maru.ConfigError, match="already exists with capacity 67108864"):
+        maru.open_store(maru.MaruConfig(backend="shm", capacity="128MiB", shm={"name": name}))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from maru.backends.base import Backend
 from maru.backends.registry import backend_class
 from maru.config import MaruConfig
+from maru.sizes import format_size
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -28,5 +30,16 @@ def add_config_option(parser: argparse.ArgumentParser, help: str | None = None) 
 
 
 def open_existing(config: MaruConfig) -> Backend:
-    """The configured store, without creating one that does not exist."""
-    return backend_class(config.backend).open_existing(config)
+    """The configured store, without creating one that does not exist; a note on stderr
+    where it has another capacity than the configured one (which only a store's creator
+    uses)."""
+    store = backend_class(config.backend).open_existing(config)
+    actual = store.stats().capacity
+    if actual != config.capacity:
+        print(
+            f"note: {store.label} has capacity {format_size(actual)} (configured: "
+            f"{format_size(config.capacity)}, which applies only to creating it); using "
+            "the store as it is",
+            file=sys.stderr,
+        )
+    return store

@@ -11,13 +11,21 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from maru.backends._pool.core import Pool
 from maru.backends._pool.locks import lock_region, unlock_region
 from maru.backends._pool.mapping import Mapping
 from maru.backends._pool.memory import Memory, prepare
-from maru.backends._pool.region import HEADER_BYTES, MAGIC, PAGE, Geometry, check_header
+from maru.backends._pool.region import (
+    HEADER_BYTES,
+    MAGIC,
+    PAGE,
+    Geometry,
+    Header,
+    check_header,
+    read_header,
+)
 from maru.errors import BackendError, ConfigError
 from maru.hugepages import HUGE_PAGE
 
@@ -40,9 +48,11 @@ class RegionSpec:
     """Where a pool's mapping comes from and how to make it.
 
     `device_size` is set for a device that cannot be resized (devdax): the pool
-    must fit in it. `before_init` runs on a new mapping before any page is
-    written or reserved (NUMA binding). `prefault` maps every page into this
-    process before returning (else each object's pages are mapped on first use).
+    must fit in it. `adopt` opens an existing pool with the capacity recorded in it,
+    whatever `capacity` says (tools that inspect, clear or destroy a pool).
+    `before_init` runs on a new mapping before any page is written or reserved (NUMA
+    binding). `prefault` maps every page into this process before returning (else each
+    object's pages are mapped on first use).
     """
 
     path: str
@@ -51,6 +61,7 @@ class RegionSpec:
     align: int = PAGE
     mode: int = 0o600
     create: bool = True
+    adopt: bool = False
     prefault: bool = False
     device_size: int | None = None
     before_init: Callable[[memoryview], None] | None = None
@@ -58,6 +69,8 @@ class RegionSpec:
 
 def attach(spec: RegionSpec) -> Pool:
     """The pool at `spec.path`, created atomically if missing; shared within the process."""
+    if spec.adopt:
+        spec = replace(spec, capacity=recorded_header(spec).capacity, create=False)
     geometry = Geometry.for_capacity(spec.capacity, spec.align)
     if spec.device_size is not None and geometry.total > spec.device_size:
         raise ConfigError(
@@ -86,6 +99,20 @@ def attach(spec: RegionSpec) -> Pool:
         populator.run()
         populator.check()
     return pool
+
+
+def recorded_header(spec: RegionSpec) -> Header:
+    """The header of the existing pool at `spec.path`, read without attaching to it."""
+    try:
+        fd = os.open(spec.path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise BackendError(f"{spec.label} does not exist") from None
+    except OSError as exc:
+        raise BackendError(f"cannot open {spec.label}: {exc.strerror or exc}") from None
+    try:
+        return read_header(fd, spec.label, max(PAGE, spec.align))
+    finally:
+        os.close(fd)
 
 
 def memory_of(pool: Pool) -> Memory:

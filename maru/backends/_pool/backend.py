@@ -44,7 +44,7 @@ class PoolBackend(Backend):
         self.checksum = self.options.checksum
         """Write a checksum with every object and verify every load against it."""
         spec = self.region_spec()
-        self.pool = attach(spec if create else replace(spec, create=False))
+        self.pool = attach(spec if create else replace(spec, create=False, adopt=True))
 
     @abstractmethod
     def region_spec(self) -> RegionSpec:
@@ -52,7 +52,9 @@ class PoolBackend(Backend):
 
     @classmethod
     def open_existing(cls, config: Any) -> PoolBackend:
-        """The configured pool, or BackendError if it does not exist; never populated."""
+        """The configured pool, or BackendError if it does not exist; never populated.
+        It is opened with the capacity recorded in it: the configured one only matters
+        to the process that creates it."""
         return cls(config, create=False)
 
     @property

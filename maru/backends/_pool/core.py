@@ -38,6 +38,7 @@ from maru.backends._pool.locks import (
     Mutex,
     WriterSlots,
     forget_after_fork,
+    hold,
     lock_descriptor,
     lock_descriptor_in_child,
     reset_after_fork,
@@ -102,6 +103,7 @@ class Pool:
         self.tables = Tables(region.view, geometry)
         self.index = Index(self.tables, geometry.buckets, geometry.entries)
         self._lock_fd = lock_descriptor(fd)
+        hold(self._lock_fd)
         self.writers = WriterSlots(self._lock_fd, self.tables, label)
         self.allocator = Allocator(self.tables, self.index, geometry, self.writers.alive)
         self._mutex = Mutex(self._lock_fd)
@@ -110,9 +112,12 @@ class Pool:
         reset_after_fork(self)
 
     def after_fork(self) -> None:
-        """In a forked child: a lock descriptor of its own, fresh thread locks, no writer
-        slot and no reservation of the parent's (it takes a slot when it first writes)."""
+        """In a forked child: a lock descriptor of its own (holding the pool open), fresh
+        thread locks, no writer slot and no reservation of the parent's (it takes a slot
+        when it first writes)."""
         self._lock_fd = lock_descriptor_in_child(self._lock_fd)
+        if self._lock_fd >= 0:
+            hold(self._lock_fd)
         self._mutex.after_fork(self._lock_fd)
         self.writers.after_fork(self._lock_fd)
 

@@ -1,5 +1,6 @@
-"""Locks on the region's file: the pool mutex, and writer slots that tell whether
-the writer of a pending reservation is still alive; and what a forked child resets.
+"""Locks on the region's file: the pool mutex, writer slots that tell whether the
+writer of a pending reservation is still alive, the holder lock that tells whether any
+process has the pool open; and what a forked child resets.
 
 Both are byte locks on the region's file, which the kernel drops when their owner
 goes, so a crashed process never hangs the others and its reservations can be
@@ -34,6 +35,9 @@ from maru.errors import BackendError
 
 MUTEX_BYTE = 0
 SLOT_LOCK_BASE = 1
+HOLDER_BYTE = SLOT_LOCK_BASE + WRITER_SLOTS
+"""Every process with the pool open holds a shared lock on this byte: a pool whose byte
+nobody holds is held by no process (`maru pool gc`), whoever's processes they are."""
 TOKEN_MASK = 2**48 - 1
 _FLOCK = "hhqqi4x"
 """struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)."""
@@ -70,6 +74,22 @@ def _try_lock(fd: int, offset: int) -> bool:
     except (BlockingIOError, PermissionError):
         return False
     return True
+
+
+def hold(fd: int) -> None:
+    """Mark the pool open in this process, through its lock descriptor `fd`, until
+    that descriptor is closed."""
+    _fcntl_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK, HOLDER_BYTE)
+
+
+def held(fd: int) -> bool:
+    """Does any process hold the pool open as `fd` (a descriptor that holds nothing)?"""
+    return _locked_by_another(fd, HOLDER_BYTE)
+
+
+def try_lock_region(fd: int) -> bool:
+    """Take the mutex byte without waiting; False if another holds it."""
+    return _try_lock(fd, MUTEX_BYTE)
 
 
 def _locked_by_another(fd: int, offset: int) -> bool:

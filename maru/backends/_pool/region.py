@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import secrets
 import struct
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,7 +73,10 @@ NO_LINK = 2**64 - 1
     REMOVALS,
     DAMAGED,
     REPAIRS,
-) = range(1, 27)
+    CREATED,
+) = range(1, 28)
+"""CREATED: the creation time in nanoseconds since the epoch (0 in pools made before it
+was written: the file's change time stands in for it)."""
 SLOT_TOKENS = 64
 """Word index where the writer-slot tokens start (one word per slot)."""
 REMOVAL_LOG = SLOT_TOKENS + WRITER_SLOTS
@@ -151,6 +155,43 @@ class Geometry:
     def overhead(self) -> int:
         """Bytes mapped beyond the capacity (header, entry table and hash index)."""
         return self.total - self.capacity
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a region's header records, read without attaching to it (`maru pool list`,
+    and a tool that opens a pool with the geometry it was created with)."""
+
+    version: int
+    ready: bool
+    capacity: int
+    used: int
+    objects: int
+    created_ns: int
+    creation_id: str
+
+
+def read_header(fd: int, label: str, window: int = PAGE) -> Header:
+    """The header of the maru region open as `fd` (read only), through a mapping of its
+    first `window` bytes (a DAX device has no read(), and maps only whole alignments);
+    BackendError if it is not a maru region."""
+    try:
+        with mmap.mmap(fd, window, mmap.MAP_SHARED, mmap.PROT_READ) as first:
+            magic = bytes(first[:8])
+            words = np.frombuffer(first, np.uint64, (CREATED + 1), 0).copy()
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"{label} is not a maru pool ({exc})") from None
+    if magic != MAGIC:
+        raise BackendError(f"{label} is not a maru pool (no maru header)")
+    return Header(
+        version=int(words[VERSION]),
+        ready=bool(words[READY]),
+        capacity=int(words[CAPACITY]),
+        used=int(words[USED]),
+        objects=int(words[OBJECTS]),
+        created_ns=int(words[CREATED]),
+        creation_id=f"{int(words[ID0]):016x}{int(words[ID1]):016x}",
+    )
 
 
 def check_header(region: mmap.mmap, expected: Geometry, label: str) -> None:
@@ -339,6 +380,7 @@ class Tables:
             (TOTAL, geometry.total),
             (ID0, secrets.randbits(64)),
             (ID1, secrets.randbits(64)),
+            (CREATED, time.time_ns()),
         ):
             self.set(word, value)
 
