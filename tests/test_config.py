@@ -13,6 +13,7 @@ from pydantic import ValidationError
 import maru
 from maru.config import BACKENDS_CONTEXT, MaruConfig, Options, resolve_config
 from maru.config import model as config_model
+from maru.config.model import PluginSettings
 from maru.sizes import parse_size
 
 GIB, MIB = 2**30, 2**20
@@ -171,8 +172,8 @@ def test_unusable_files_are_config_errors_naming_the_file(tmp_path, name, body, 
             {"s3": {"url": "s3://x"}},
             "s3 = {'url': 's3://x'} (from argument): unknown key; "
             "allowed: backend, namespace, capacity, chunk_tokens, error_backoff, "
-            "producer_loads, consumer_wait, kv_cache_huge_pages, config_file and the sections "
-            "of installed backends",
+            "producer_loads, consumer_wait, kv_cache_huge_pages, config_file, plugins and the "
+            "sections of installed backends",
         ),
         (
             {"chunk_tokens": "many"},
@@ -210,6 +211,7 @@ def test_every_problem_is_reported_at_once_with_its_source(tmp_path) -> None:
         ("MARU_SHM__NAEM", "MARU_SHM__NAME"),
         ("MARU_NAMESPACE__NAME", "MARU_NAMESPACE"),
         ("MARU_REDIS_URL", "MARU_REDIS__URL"),
+        ("MARU_PLUGIN_BLOCK", "MARU_PLUGINS_BLOCK"),
     ],
 )
 def test_an_unknown_environment_variable_is_a_warning_naming_it_and_the_closest(
@@ -364,8 +366,9 @@ def test_configs_from_every_entry_point_are_equal() -> None:
         (
             lambda: MaruConfig.model_validate({"bogus": 1}),
             "bogus = 1: unknown key; allowed: backend, namespace, capacity, chunk_tokens, "
-            "error_backoff, producer_loads, consumer_wait, kv_cache_huge_pages, config_file and "
-            "the sections of installed backends (mock, shm, cxl, disk, redis, tiered, dirstore)",
+            "error_backoff, producer_loads, consumer_wait, kv_cache_huge_pages, config_file, "
+            "plugins and the sections of installed backends (mock, shm, cxl, disk, redis, "
+            "tiered, dirstore)",
         ),
         (
             lambda: MaruConfig.model_validate_json('{"mock": {"fail_rate": 2}}'),
@@ -458,7 +461,42 @@ def test_the_readmes_configuration_block_shows_the_defaults() -> None:
     block = readme[readme.index("```yaml\nbackend: shm") + len("```yaml\n") :]
     shown = yaml.safe_load(block[: block.index("```")])
     config, defaults = maru.load_config(**shown), maru.load_config()
-    sections = [name for name, value in shown.items() if isinstance(value, dict)]
+    sections = [
+        name
+        for name, value in shown.items()
+        if isinstance(value, dict) and name not in MaruConfig.model_fields
+    ]
     assert config.model_dump(exclude=set(sections)) == defaults.model_dump(exclude=set(sections))
     for name in sections:
         assert config.backend_options(name) == defaults.backend_options(name), name
+
+
+def test_the_plugin_variables_set_the_plugins_section_without_a_warning(caplog) -> None:
+    env = {"MARU_PLUGINS_BLOCK": " acme, other ,", "MARU_PLUGINS_TRACE": "1"}
+    with caplog.at_level("WARNING"):
+        resolved = resolve_config(env=env, backends=FAKE_BACKENDS, backend="fake")
+    assert resolved.config.plugins == PluginSettings(block=("acme", "other"), trace=True)
+    assert resolved.source_of(("plugins", "block")) == "env MARU_PLUGINS_BLOCK"
+    assert caplog.messages == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "env", "expected"),
+    [
+        (
+            {"plugins": {"blok": ["acme"]}},
+            {},
+            "plugins.blok = ['acme'] (from argument): unknown key; allowed: block, trace",
+        ),
+        (
+            {},
+            {"MARU_PLUGINS_TRACE": "maybe"},
+            "plugins.trace = 'maybe' (from env MARU_PLUGINS_TRACE): Input should be a valid "
+            "boolean",
+        ),
+    ],
+)
+def test_a_bad_plugins_section_names_the_field_value_and_source(settings, env, expected) -> None:
+    with pytest.raises(maru.ConfigError) as caught:
+        resolve_config(env=env, backends=FAKE_BACKENDS, backend="fake", **settings)
+    assert expected in str(caught.value)

@@ -1,10 +1,11 @@
-"""`maru info` (plugins, backends, layout adapters, and who provides each; how this
-CPU copies KV pages) and `maru config show|check` (each resolved value and its source;
-a file validated on its own)."""
+"""`maru info` (plugins, backends, layout adapters, and who provides each; the plugins
+that failed to load or are blocked; how this CPU copies KV pages) and `maru config
+show|check` (each resolved value and its source; a file validated on its own)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -13,13 +14,13 @@ from maru.backends.registry import backend_class
 from maru.cli.command import Result, add_config_option
 from maru.config import ResolvedConfig, leaves, resolve_config, shown_value
 from maru.errors import ConfigError
-from maru.plugins import get_plugin_manager, maru_version
+from maru.plugins import UnloadedPlugin, get_plugin_manager, maru_version
 
 
 def cmd_info(args: argparse.Namespace) -> Result:
-    """Version, plugins, backends and layout adapters, with their distributions."""
-    manager = get_plugin_manager()
-    try:
+    """Version, plugins, backends and layout adapters, with their distributions; the
+    plugins that failed to load (maru works without them) and those blocked."""
+    try:  # first: the config's `plugins` section decides which plugins load
         config = resolve_config(args.config).config
         backend = backend_class(config.backend)
         configured = {
@@ -28,10 +29,13 @@ def cmd_info(args: argparse.Namespace) -> Result:
         }
     except ConfigError as exc:
         configured = {"error": str(exc)}
+    manager = get_plugin_manager()
     data = {
         "version": maru_version(),
         "configured": configured,
         "plugins": [vars(p) for p in manager.plugins()],
+        "failed_plugins": [dataclasses.asdict(p) for p in manager.failed()],
+        "blocked_plugins": [dataclasses.asdict(p) for p in manager.blocked()],
         "backends": _provided(manager.backends),
         "layout_adapters": _provided(manager.layout_adapters),
         "cpu_copies": {"streaming": bool(STREAMING), "sums_as_copied": bool(SUMS_AS_COPIED)},
@@ -77,6 +81,10 @@ def _format_info(data: dict[str, Any]) -> str:
         "plugins:",
     ]
     lines += [f"  {p['name']:<24} {p['distribution']} {p['version']}" for p in data["plugins"]]
+    for title, key in (("failed to load", "failed_plugins"), ("blocked", "blocked_plugins")):
+        if data[key]:
+            lines.append(f"{title}:")
+            lines += [f"  {UnloadedPlugin(**p)}" for p in data[key]]
     for title in ("backends", "layout_adapters"):
         lines.append(f"{title.replace('_', ' ')}:")
         lines += [

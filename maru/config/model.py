@@ -6,7 +6,9 @@ read inside a validator: the pydantic validation context carries it under
 ``BACKENDS_CONTEXT`` as a mapping of backend name to ``Options`` class. The public
 entry points (``MaruConfig(...)``, ``MaruConfig.model_validate``,
 ``model_validate_json`` and, in ``maru.config.sources``, ``resolve_config`` and
-``load_config``) take it as ``backends=`` or, by default, from the plugin manager.
+``load_config``) take it as ``backends=`` or, by default, from the plugin manager,
+which also says, under ``UNLOADED_CONTEXT``, which plugins did not load (so a backend
+that is not installed can be explained).
 Every invalid input is one ``ConfigError`` naming the field, the value, its source
 where known, and what is allowed.
 """
@@ -33,12 +35,21 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from maru.errors import ConfigError
-from maru.plugins import DEFAULT_BACKEND, get_plugin_manager, options_model
+from maru.plugins import (
+    DEFAULT_BACKEND,
+    ENV_PLUGINS_BLOCK,
+    ENV_PLUGINS_TRACE,
+    get_plugin_manager,
+    options_model,
+    plugin_names,
+)
 from maru.sizes import Size
 
 DEFAULT_SOURCE = "default"
 BACKENDS_CONTEXT = "backends"
 """Key of the validation context that holds the installed backends' Options by name."""
+UNLOADED_CONTEXT = "unloaded_plugins"
+"""Key of the validation context that says which plugins failed to load or are blocked."""
 SECRET_KEY_RE = re.compile(r"(^|_)(password|secret|token)$", re.IGNORECASE)
 Path_ = tuple[str, ...]
 Backends = Mapping[str, type[BaseModel]]
@@ -54,9 +65,37 @@ class Options(BaseModel):
     warns); `MARU_*` variables may use the old name too."""
 
 
-def installed_backends() -> Backends:
-    """The installed backends' Options models, from the process-wide plugin manager."""
-    return get_plugin_manager().backend_options
+class PluginSettings(BaseModel):
+    """The `plugins:` section: which plugins not to load, and whether to log hook calls.
+
+    `load_config` (so the vLLM connector and the `maru` command) applies it before any
+    plugin loads; a `MaruConfig(...)` built directly is validated against the plugins
+    loaded already. `MARU_PLUGINS_BLOCK` and `MARU_PLUGINS_TRACE` apply to every
+    process, before any config is read.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block: tuple[str, ...] = Field(
+        (),
+        description="entry point names of plugins never to load (a list, or comma-separated "
+        f"text as in {ENV_PLUGINS_BLOCK})",
+    )
+    trace: bool = Field(
+        False, description=f"log every plugin hook call and its answer (as {ENV_PLUGINS_TRACE}=1)"
+    )
+
+    @field_validator("block", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        return plugin_names(value) if isinstance(value, str) else value
+
+
+def _installed_context() -> dict[str, Any]:
+    """A validation context of the installed backends' Options models and of the plugins
+    that did not load, from the process-wide plugin manager."""
+    manager = get_plugin_manager()
+    return {BACKENDS_CONTEXT: manager.backend_options, UNLOADED_CONTEXT: manager.unloaded_note()}
 
 
 def _context(context: Mapping[str, Any] | None, backends: Backends | None) -> dict[str, Any]:
@@ -66,7 +105,7 @@ def _context(context: Mapping[str, Any] | None, backends: Backends | None) -> di
     if backends is not None:
         context[BACKENDS_CONTEXT] = backends
     elif context.get(BACKENDS_CONTEXT) is None:
-        context[BACKENDS_CONTEXT] = installed_backends()
+        context.update(_installed_context())
     return context
 
 
@@ -79,10 +118,11 @@ def config_errors(backends: Backends, sources: Mapping[Path_, str] | None = None
         raise config_error(exc, backends, sources) from None
 
 
-def validate(data: Any, backends: Backends) -> MaruConfig:
-    """`data` validated against `backends`; ValidationError if it is bad."""
+def validate(data: Any, backends: Backends, unloaded: str = "") -> MaruConfig:
+    """`data` validated against `backends` (`unloaded`: why some may be missing);
+    ValidationError if it is bad."""
     return MaruConfig.__pydantic_validator__.validate_python(
-        data, context={BACKENDS_CONTEXT: backends}
+        data, context={BACKENDS_CONTEXT: backends, UNLOADED_CONTEXT: unloaded}
     )
 
 
@@ -148,14 +188,15 @@ class MaruConfig(BaseModel):
         "up to a fifth faster, for 0.7-3 s per GiB of cache, once",
     )
     config_file: Path | None = Field(None, description="YAML, TOML or JSON file to read")
+    plugins: PluginSettings = Field(
+        default_factory=PluginSettings, description="plugins not to load; hook call tracing"
+    )
 
     def __init__(self, /, **data: Any) -> None:
         """Validate `data` against the installed backends; ConfigError if it is bad."""
-        backends = installed_backends()
-        with config_errors(backends):
-            self.__pydantic_validator__.validate_python(
-                data, self_instance=self, context={BACKENDS_CONTEXT: backends}
-            )
+        context = _installed_context()
+        with config_errors(context[BACKENDS_CONTEXT]):
+            self.__pydantic_validator__.validate_python(data, self_instance=self, context=context)
 
     # Like BaseModel's own __init__, this one only validates into `self`; the marker tells
     # pydantic so, and model_validate then validates directly, keeping its context.
@@ -218,9 +259,11 @@ class MaruConfig(BaseModel):
     def _backend_installed(cls, name: str, info: ValidationInfo) -> str:
         installed = _context_backends(info)
         if name not in installed:
+            unloaded = (info.context or {}).get(UNLOADED_CONTEXT)
             raise PydanticCustomError(
                 "backend_not_installed",
-                f"no backend named {name!r} is installed; allowed: {', '.join(sorted(installed))}",
+                f"no backend named {name!r} is installed; allowed: {', '.join(sorted(installed))}"
+                + (f"; {unloaded}" if unloaded else ""),
             )
         return name
 
@@ -306,9 +349,9 @@ def section_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
 
 
 def model_at(backends: Backends, path: Path_) -> type[BaseModel] | None:
-    """The model of the mapping at `path` below the top level: a backend's Options, or a
-    model nested in it; None if `path` names no mapping."""
-    model = backends.get(path[0])
+    """The model of the mapping at `path` below the top level: a backend's Options, a
+    setting's model (`plugins`), or a model nested in one; None if `path` names no mapping."""
+    model = backends.get(path[0]) or section_model(MaruConfig, path[0])
     for part in path[1:]:
         if model is None:
             return None

@@ -4,6 +4,11 @@ Precedence, highest first: explicit arguments > vLLM ``kv_connector_extra_config
 > ``MARU_*`` environment variables > a YAML/TOML/JSON file (``config_file`` or
 ``MARU_CONFIG``) > defaults. Every value remembers where it came from, so errors and
 ``maru config show`` can say.
+
+The ``plugins`` section is read from every source first, before the rest is validated:
+the plugin manager must know which plugins not to load before it loads the backends the
+config is validated against. ``MARU_PLUGINS_BLOCK`` and ``MARU_PLUGINS_TRACE`` are its
+variables (the plugin manager reads them too, in a process that reads no config).
 """
 
 from __future__ import annotations
@@ -19,15 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from maru.config.model import (
     DEFAULT_SOURCE,
     Backends,
     MaruConfig,
     Path_,
+    PluginSettings,
     config_errors,
-    installed_backends,
     leaves,
     model_at,
     section_model,
@@ -36,6 +41,7 @@ from maru.config.model import (
 )
 from maru.errors import ConfigError
 from maru.log import get_logger
+from maru.plugins import ENV_PLUGINS_BLOCK, ENV_PLUGINS_TRACE, get_plugin_manager
 
 log = get_logger(__name__)
 
@@ -44,6 +50,11 @@ ENV_CONFIG_FILE = "MARU_CONFIG"
 ENV_NESTING = "__"
 ENV_JSON_RE = re.compile(r"^\s*(\[|\{|null\s*$)")
 """Environment values that are JSON: lists, mappings and null (others stay strings)."""
+ENV_ALIASES: dict[str, Path_] = {
+    ENV_PLUGINS_BLOCK: ("plugins", "block"),
+    ENV_PLUGINS_TRACE: ("plugins", "trace"),
+}
+"""Variables whose names do not nest by `__`: the plugin manager's own."""
 
 
 @dataclass
@@ -91,7 +102,7 @@ def _env_layer(
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
             continue
-        path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING))
+        path = _env_path(name)
         if not _known_path(backends, path):
             log.warning(
                 "ignoring environment variable %s: maru has no such setting (the closest is %s)",
@@ -105,6 +116,13 @@ def _env_layer(
         target[path[-1]] = _env_value(value)
         names[path] = f"env {name}"
     return values, names
+
+
+def _env_path(name: str) -> Path_:
+    """The setting a `MARU_*` variable names: its alias's, else its parts split at `__`."""
+    return ENV_ALIASES.get(name) or tuple(
+        part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_NESTING)
+    )
 
 
 def _env_value(text: str) -> Any:
@@ -128,16 +146,19 @@ def _known_path(backends: Backends, path: Path_) -> bool:
 
 
 def _closest_env_name(backends: Backends, path: Path_) -> str:
-    """The variable of the known setting whose name is closest to `path`."""
-    known = {ENV_NESTING.join(p).upper(): p for p in _setting_paths(backends)}
-    wanted = ENV_NESTING.join(path).upper()
-    closest = difflib.get_close_matches(wanted, known, n=1, cutoff=0) or sorted(known)
-    return ENV_PREFIX + closest[0]
+    """The variable of the known setting whose name is closest to `path` (an alias where
+    the setting has one)."""
+    aliases = {setting: name for name, setting in ENV_ALIASES.items()}
+    known = [
+        aliases.get(p, ENV_PREFIX + ENV_NESTING.join(p).upper()) for p in _setting_paths(backends)
+    ]
+    wanted = ENV_PREFIX + ENV_NESTING.join(path).upper()
+    return (difflib.get_close_matches(wanted, known, n=1, cutoff=0) or sorted(known))[0]
 
 
 def _setting_paths(backends: Backends) -> list[Path_]:
     """The path of every leaf setting: the top-level ones and those of every section."""
-    paths: list[Path_] = [(key,) for key in MaruConfig.model_fields]
+    paths = _model_paths(MaruConfig, ())
     for name, options in backends.items():
         paths.extend(_model_paths(options, (name,)))
     return paths
@@ -205,17 +226,20 @@ def resolve_config(
     **overrides: Any,
 ) -> ResolvedConfig:
     """Merge every source by precedence, validate against `backends` (default: the
-    installed ones), and keep each value's source."""
+    installed ones, once the plugin manager has applied the sources' `plugins` section),
+    and keep each value's source."""
     env = os.environ if env is None else env
-    backends = installed_backends() if backends is None else backends
     extra = dict(extra_config or {})
     if config_file is not None:
         overrides["config_file"] = config_file
     merger = _Merger()
     chosen = _pick_config_file(overrides, extra, env)
+    file_values = read_config_file(*chosen) if chosen else {}
+    unloaded = ""
+    if backends is None:
+        backends, unloaded = _installed([file_values, _env_plugins(env), extra, overrides])
     if chosen:
-        path, source = chosen
-        merger.add(read_config_file(path, source), f"file {path}")
+        merger.add(file_values, f"file {chosen[0]}")
     env_values, env_names = _env_layer(env, backends)
     merger.add(env_values, env_names=env_names)
     merger.add(extra, "kv_connector_extra_config")
@@ -224,7 +248,33 @@ def resolve_config(
         merger.data["config_file"] = str(chosen[0])
         merger.sources[("config_file",)] = chosen[1]
     with config_errors(backends, merger.sources):
-        return ResolvedConfig(validate(merger.data, backends), merger.sources)
+        return ResolvedConfig(validate(merger.data, backends, unloaded), merger.sources)
+
+
+def _env_plugins(env: Mapping[str, str]) -> dict[str, Any]:
+    """The `plugins` section the `MARU_*` variables give."""
+    section: dict[str, Any] = {}
+    for name, value in env.items():
+        path = _env_path(name) if name.startswith(ENV_PREFIX) else ()
+        if len(path) == 2 and path[0] == "plugins":
+            section[path[1]] = _env_value(value)
+    return {"plugins": section}
+
+
+def _installed(layers: list[Mapping[str, Any]]) -> tuple[Backends, str]:
+    """The installed backends and which plugins did not load, once the process-wide plugin
+    manager has applied the `plugins` section of `layers` (lowest precedence first)."""
+    section: dict[str, Any] = {}
+    for layer in layers:
+        values = layer.get("plugins")
+        if isinstance(values, Mapping):
+            section.update(values)
+    try:
+        settings = PluginSettings.model_validate(section)
+    except ValidationError:
+        settings = PluginSettings()  # validating the whole config reports it, with its source
+    manager = get_plugin_manager(settings.block, trace=settings.trace)
+    return manager.backend_options, manager.unloaded_note()
 
 
 def load_config(
