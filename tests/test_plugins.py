@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -332,6 +333,12 @@ def test_maru_plugins_trace_logs_each_hook_call(monkeypatch, caplog) -> None:
         "[[<class 'maru.backends.mock.MockBackend'>]]"
     ) in calls
     assert len(calls) == len(backends), "one call per plugin, each attributed"
+
+
+def test_maru_plugins_trace_shows_hook_calls_on_the_command_line() -> None:
+    done = run_maru("info", env=os.environ | {"MARU_PLUGINS_TRACE": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "maru: INFO: plugin hook maru_backends() of maru.backends.shm returned" in done.stderr
 
 
 @pytest.mark.slow

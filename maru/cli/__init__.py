@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from maru.cli import bench, demo, doctor, info, pool
 from maru.cli.command import EXIT_FAILURE, EXIT_USAGE
 from maru.errors import BackendError, ConfigError, MaruError, PluginError
+from maru.log import get_logger
 
 COMMANDS = (info, pool, doctor, bench, demo)
 """The command modules, in the order `maru --help` lists them."""
@@ -42,9 +44,21 @@ def _failure(args: argparse.Namespace, exc: BaseException, exit_code: int) -> in
     return exit_code
 
 
+def _show_plugin_log() -> None:
+    """The plugin manager's lines on stderr: plugins that failed to load, and every hook
+    call with MARU_PLUGINS_TRACE (a command configures no other logging)."""
+    logger = get_logger("maru.plugins")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("maru: %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one maru command; the process exit code."""
     args = build_parser().parse_args(argv)
+    _show_plugin_log()
     try:
         result = args.run(args)
     except (ConfigError, PluginError) as exc:
