@@ -59,6 +59,7 @@ from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 import xxhash
 from pydantic import BaseModel
 
+from maru.backends.node import FoundStore
 from maru.errors import (
     BackendError,
     BufferTooSmallError,
@@ -104,7 +105,8 @@ class StoreStats:
     reclaimed: int = 0
     dropped: int = 0
     """Copies into a lower tier not written because it could not keep up (tiered:
-    dropped from a full queue), counted by this process."""
+    dropped from a full queue, or still queued when the store closed), counted by this
+    process."""
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for JSON and logs)."""
@@ -241,6 +243,13 @@ class Backend(ABC):
         return cls(config)
 
     @classmethod
+    def find_stores(cls, config: Any) -> list[FoundStore]:
+        """This backend's stores on this node, the configured ones and any others it
+        can find (`maru pool list|gc`). The default: none (a store in the process or
+        on other machines)."""
+        return []
+
+    @classmethod
     def private_options(cls, tag: str, prefault: bool) -> dict[str, Any] | None:
         """The options section of a private, throwaway store named by `tag`, populated
         when opened if `prefault`, so that `maru bench` and `maru demo` never touch a
@@ -263,7 +272,9 @@ class Backend(ABC):
         raise self.unsupported("clear", "remove all its objects")
 
     def info(self) -> dict[str, Any]:
-        """Details beyond `stats()`, for `maru pool stats`; at least "label"."""
+        """Details beyond `stats()`, for `maru pool stats`; at least "label", and
+        "entries" (an int) where the store holds at most that many objects at once (a
+        fixed table of them, as a pool's), by which `maru bench` sizes its working set."""
         raise self.unsupported("info", "report details of its store")
 
     def populate(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:

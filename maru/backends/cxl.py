@@ -30,7 +30,10 @@ from maru.backends._pool import (
     RegionSpec,
     address_of,
     reserve,
+    survey_pool,
 )
+from maru.backends.holders import holders_of
+from maru.backends.node import FoundStore
 from maru.backends.shm import FileMode, PoolName, shm_path
 from maru.config import Size
 from maru.errors import BackendError, ConfigError
@@ -210,6 +213,31 @@ class CxlBackend(PoolBackend):
         """An emulated device of its own in /dev/shm, named by `tag` (the devdax code
         path, over memory the benchmark may throw away)."""
         return {"mode": "emulated", "device": f"/dev/shm/maru-{tag}-cxl", "prefault": prefault}
+
+    @classmethod
+    def find_stores(cls, config: Any) -> list[FoundStore]:
+        """The configured pool, if the configuration has a cxl section and it exists."""
+        try:
+            options = config.backend_options(cls.name)
+        except ValueError:
+            return []
+        path = shm_path(options.name) if options.mode == "numa" else options.device
+        if not path.exists():
+            return []
+        holders = holders_of([str(path)])[str(path)]
+        window = cls._alignment(options, path)
+        found = survey_pool(path, cls.name, path.name, holders, window)
+        return [] if found is None else [found]
+
+    @staticmethod
+    def _alignment(options: CxlOptions, path: Path) -> int:
+        """How the configured pool's memory is aligned (what a device maps in)."""
+        if options.mode == "numa":
+            return 4096
+        if options.mode == "emulated":
+            return options.align
+        devices = {d.name: d.align for d in discover_dax_devices(options.sysfs_root)}
+        return devices.get(path.name, options.align)
 
     def destroy(self) -> None:
         """Remove the pool: delete its file, or clear a device's header."""

@@ -50,6 +50,7 @@ from maru.backends._disk.directory import (
     abandoned,
     object_names,
     prepare_root,
+    survey_root,
     unusable,
 )
 from maru.backends._disk.index import Index
@@ -75,6 +76,7 @@ from maru.backends._disk.objects import (
 )
 from maru.backends._disk.options import DiskOptions, default_path
 from maru.backends.base import Backend, ReadView, StoreStats
+from maru.backends.node import FoundStore
 from maru.errors import BackendError, ObjectTooLargeError
 from maru.hookspecs import hookimpl
 
@@ -130,6 +132,11 @@ class DiskBackend(Backend):
         if not (root / MARKER).is_file():
             raise BackendError(f"disk store {root} does not exist (no {MARKER} there)")
         return cls(config)
+
+    @classmethod
+    def find_stores(cls, config: Any) -> list[FoundStore]:
+        """The configured store, if there is one (`maru pool gc` never removes it)."""
+        return survey_root(config.backend_options(cls.name), config.capacity)
 
     @classmethod
     def private_options(cls, tag: str, prefault: bool) -> dict[str, Any]:

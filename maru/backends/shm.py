@@ -13,7 +13,9 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from maru.backends._pool import PoolBackend, PoolOptions, RegionSpec
+from maru.backends._pool import PoolBackend, PoolOptions, RegionSpec, survey_pool
+from maru.backends.holders import holders_of
+from maru.backends.node import FoundStore
 from maru.errors import BackendError
 from maru.hookspecs import hookimpl
 from maru.log import get_logger
@@ -106,6 +108,17 @@ class ShmBackend(PoolBackend):
     def private_options(cls, tag: str, prefault: bool) -> dict[str, Any]:
         """A pool of its own, named `tag`."""
         return {"name": tag, "prefault": prefault}
+
+    @classmethod
+    def find_stores(cls, config: Any) -> list[FoundStore]:
+        """Every maru pool in /dev/shm, whatever its name and whoever made it."""
+        paths = sorted(SHM_DIR.glob("maru-*"))
+        holders = holders_of(str(path) for path in paths)
+        found = (
+            survey_pool(path, cls.name, path.name.removeprefix("maru-"), holders[str(path)])
+            for path in paths
+        )
+        return [store for store in found if store is not None]
 
     def destroy(self) -> None:
         """Remove the pool's shared memory object; open mappings keep working."""

@@ -1,6 +1,6 @@
 """`maru pool create|stats|namespaces|clear|destroy`: the configured store, for any
 backend that offers the operation (shm and cxl pools offer them all); exit 2 where it
-does not."""
+does not. `maru pool list|gc`, every store on the node, are `maru.cli.stores`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from maru.backends.registry import backend_class
+from maru.cli import stores
 from maru.cli.command import Result, add_config_option, open_existing
 from maru.config import resolve_config
 from maru.errors import ConfigError, UnsupportedOperationError
@@ -18,7 +19,8 @@ from maru.sizes import format_size
 from maru.vllm.keys import selection_prefix
 from maru.vllm.records import last_active, namespaces
 
-ACTIONS = ("create", "stats", "namespaces", "clear", "destroy")
+ACTIONS = ("create", "stats", "namespaces", "clear", "destroy", "list", "gc")
+NODE_ACTIONS = {"list": stores.cmd_list, "gc": stores.cmd_gc}
 RATES = ("hits", "misses", "evictions")
 
 
@@ -43,6 +45,8 @@ def cmd_pool(args: argparse.Namespace) -> Result:
     offers the operation (shm and cxl pools offer them all); exit 2 where it does not."""
     if args.namespace is not None and args.action != "clear":
         raise ConfigError(f"--namespace = {args.namespace!r}: only 'maru pool clear' takes it")
+    if args.action in NODE_ACTIONS:
+        return NODE_ACTIONS[args.action](args)
     prefix = selection_prefix(args.namespace) if args.namespace is not None else None
     with _open_pool(args.config, args.action) as store:
         try:
@@ -151,7 +155,10 @@ def _watch(store: Any, args: argparse.Namespace) -> Result:
 def register(commands: Any, common: argparse.ArgumentParser) -> None:
     """`maru pool ACTION`."""
     pool = commands.add_parser(
-        "pool", parents=[common], help="create, inspect, clear or destroy the configured store"
+        "pool",
+        parents=[common],
+        help="create, inspect, clear or destroy the configured store; list the stores on "
+        "this node, remove leaked ones (gc)",
     )
     pool.add_argument("action", choices=ACTIONS)
     add_config_option(pool)
@@ -162,4 +169,5 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="clear: only this namespace ('default' or 'default/DIGEST')",
     )
+    stores.add_arguments(pool)
     pool.set_defaults(run=cmd_pool)

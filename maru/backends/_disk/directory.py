@@ -1,4 +1,5 @@
-"""The disk backend's directory: its format marker, fan-out, and crashed writers' files."""
+"""The disk backend's directory: its format marker, fan-out, crashed writers' files, and
+what `maru pool list` says of it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import time
 from pathlib import Path
 
 from maru.backends._disk.objects import FORMAT_VERSION, is_object_name
+from maru.backends._disk.options import DiskOptions
+from maru.backends.holders import user_name
+from maru.backends.node import FoundStore
 from maru.errors import ConfigError
 
 MARKER = "maru-disk-format"
@@ -93,3 +97,27 @@ def abandoned(temp_name: str, mtime: float, host: str) -> bool:
         return False
     pid, writer_host = int(parts[0]), parts[2]
     return writer_host == host and not alive(pid)
+
+
+def survey_root(options: DiskOptions, capacity: int) -> list[FoundStore]:
+    """The store configured by `options` for `maru pool list`, its object files counted
+    (none if there is none); `maru pool gc` never removes it: it is kept across restarts."""
+    root = options.path.expanduser()
+    try:
+        marker = (root / MARKER).stat()
+    except OSError:
+        return []
+    sizes = [f.stat().st_size for f in root.glob("*/*/*") if is_object_name(f.name)]
+    found = FoundStore(
+        "disk",
+        str(root),
+        str(root),
+        user_name(marker.st_uid),
+        marker.st_mtime,
+        options.capacity or capacity,
+        sum(sizes),
+        len(sizes),
+        why_unknown="its files are open only while they are read or written",
+        kept_by_design="kept across restarts by design (maru pool destroy removes it)",
+    )
+    return [found]

@@ -16,6 +16,7 @@ the data. There is no server: processes coordinate through the region and
 - `mapping`: a region's file mapped at a huge-page boundary;
 - `memory`: backing, population and huge pages of a mapping;
 - `audit`: the derived state recomputed and compared, for tests and tools;
+- `survey`: pools read and removed without attaching (`maru pool list|gc`);
 - `backend`: `PoolBackend`, the Backend contract over a Pool.
 
 The package is private to `maru/backends/`: the shm and cxl backends use only what
@@ -28,6 +29,7 @@ from maru.backends._pool.core import Pool
 from maru.backends._pool.mapping import address_of
 from maru.backends._pool.memory import reserve
 from maru.backends._pool.region import Geometry
+from maru.backends._pool.survey import survey_pool
 
 __all__ = [
     "Geometry",
@@ -38,4 +40,5 @@ __all__ = [
     "address_of",
     "memory_of",
     "reserve",
+    "survey_pool",
 ]

@@ -78,6 +78,30 @@ def attach(spec: RegionSpec) -> Pool:
             f"{spec.label} has {spec.device_size}; allowed: at most "
             f"{spec.device_size - geometry.overhead} bytes"
         )
+    pool = _attach_file(spec, geometry)
+    if spec.prefault:
+        populator = _memory[pool].populator
+        populator.run()
+        populator.check()
+    return pool
+
+
+class _Removed(Exception):
+    """The file was removed (`maru pool gc` or destroy) between its open and its lock."""
+
+
+def _attach_file(spec: RegionSpec, geometry: Geometry) -> Pool:
+    """Open and map the pool's file, or share this process's mapping of it; open again
+    if the file was removed meanwhile (a new one is then created, or BackendError)."""
+    for _ in range(3):
+        try:
+            return _attach_once(spec, geometry)
+        except _Removed:
+            continue
+    raise BackendError(f"{spec.label} was removed three times while it was being opened")
+
+
+def _attach_once(spec: RegionSpec, geometry: Geometry) -> Pool:
     fd = _open_file(spec)
     try:
         identity = (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
@@ -94,10 +118,6 @@ def attach(spec: RegionSpec) -> Pool:
     finally:
         if fd >= 0:
             os.close(fd)
-    if spec.prefault:
-        populator = _memory[pool].populator
-        populator.run()
-        populator.check()
     return pool
 
 
@@ -156,6 +176,8 @@ def _map(fd: int, spec: RegionSpec, geometry: Geometry) -> tuple[Pool, Memory]:
     lock_region(fd)
     try:
         device = spec.device_size is not None
+        if not device and os.fstat(fd).st_nlink == 0:
+            raise _Removed
         size = spec.device_size if device else os.fstat(fd).st_size
         if size == 0:
             os.ftruncate(fd, geometry.total)
