@@ -202,3 +202,26 @@ def test_an_unreadable_duration_is_a_usage_error(capsys) -> None:
         main(["pool", "gc", "--older-than", "ten minutes"])
     assert exit_.value.code == 2
     assert "'ten minutes' is not a duration; allowed:" in capsys.readouterr().err
+
+
+def test_a_forked_child_holds_the_pool_it_inherited(
+    capsys, monkeypatch, pool_names, tmp_path
+) -> None:
+    """A child forked with the pool open holds it (its own holder record) after the
+    parent has closed it."""
+    name = pool_names()
+    store = maru.open_store(maru.MaruConfig(backend="shm", capacity="64MiB", shm={"name": name}))
+    child = os.fork()
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    store.close()
+    monkeypatch.setattr(maru.backends.holders, "PROC", tmp_path)
+    try:
+        result = gc(capsys, name, "--older-than", "0")
+        assert result["removed"] == []
+        assert "held by a process of another user" in result["kept"][0]["why"]
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert gc(capsys, name, "--older-than", "0")["removed"]
