@@ -225,3 +225,22 @@ def test_a_forked_child_holds_the_pool_it_inherited(
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
     assert gc(capsys, name, "--older-than", "0")["removed"]
+
+
+def test_a_benchmark_stopped_with_sigterm_leaves_no_pool_behind() -> None:
+    """`maru bench` makes a private pool; SIGTERM (a benchmark stopped by hand or by a
+    job runner) destroys it on the way out instead of leaking it in /dev/shm."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "maru", "bench", "--backend", "shm", "--capacity", "256MiB"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pool = shm_path(f"bench-{bench.pid}")
+    deadline = time.monotonic() + 120
+    while not pool.exists() and bench.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.exists(), "the benchmark made no pool of its own"
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=120) == 128 + signal.SIGTERM
+    assert not pool.exists()

@@ -13,7 +13,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from maru.cli import bench, demo, doctor, info, pool
@@ -55,10 +57,27 @@ def _show_plugin_log() -> None:
         logger.setLevel(logging.INFO)
 
 
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like an exception, so a command's private stores (`maru bench`,
+    `maru demo`) are destroyed on the way out instead of leaking in /dev/shm."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one maru command; the process exit code."""
     args = build_parser().parse_args(argv)
     _show_plugin_log()
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)  # only the main thread may handle signals
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command; the process exit code."""
     try:
         result = args.run(args)
     except (ConfigError, PluginError) as exc:
