@@ -3,6 +3,10 @@ background, promotion, restarts, and tiers that fail."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+
 import pytest
 
 import maru
@@ -299,9 +303,7 @@ def test_closing_writes_the_queued_copies(shm_disk, tmp_path) -> None:
         store.put(f"k{i}", payload(f"k{i}", 64 * KIB))
     disk = store.tiers[1]
     store.close()
-    with maru.open_store(
-        backend="disk", capacity="64MiB", namespace="tiers", disk={"path": str(tmp_path / "disk")}
-    ) as reopened:
+    with reopened_disk(tmp_path) as reopened:
         assert reopened.contains([f"k{i}" for i in range(30)]) == [True] * 30
     assert disk._closed
 
@@ -344,3 +346,83 @@ def test_copies_into_lower_tiers_are_not_uses_of_the_object(shm_disk) -> None:
     pool = shm.pool
     entries = [pool.index.find(f"k{i}".encode(), key_hash(f"k{i}".encode())) for i in range(5)]
     assert [pool.tables.hot[e] for e in entries] == [0] * 5
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 30) -> bool:
+    """Poll `condition` until it holds; False after `seconds` (a guard against hangs)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def slowed_writes(
+    monkeypatch: pytest.MonkeyPatch, tier: maru.Backend, until: Callable[[], bool]
+) -> threading.Event:
+    """Make each write into `tier` wait until `until()` holds (a slow tier); the event
+    is set once a write has started."""
+    writing = threading.Event()
+    begin = tier._begin
+
+    def slow(key: bytes, nbytes: int) -> object:
+        writing.set()
+        wait_until(until)
+        return begin(key, nbytes)
+
+    monkeypatch.setattr(tier, "_begin", slow)
+    return writing
+
+
+def reopened_disk(tmp_path) -> maru.Backend:
+    return maru.open_store(
+        backend="disk", capacity="64MiB", namespace="tiers", disk={"path": str(tmp_path / "disk")}
+    )
+
+
+def new_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The threads alive now that were not in `before`."""
+    return [thread for thread in threading.enumerate() if thread not in before]
+
+
+def test_closing_with_copies_queued_for_a_slow_tier_writes_them_and_ends_its_thread(
+    shm_disk, monkeypatch, tmp_path
+) -> None:
+    """Writes into the disk wait until the store is closing: close finds every copy
+    queued, writes them all, and returns once the copier's thread has ended."""
+    store = shm_disk()
+    writing = slowed_writes(monkeypatch, store.tiers[1], lambda: store._closed)
+    before = set(threading.enumerate())
+    for i in range(10):
+        assert store.put(f"k{i}", payload(f"k{i}", 16 * KIB))
+    assert writing.wait(10)
+    store.close()
+    assert new_threads(before) == []
+    assert store.copiers[1].counts["written"] == 10
+    with reopened_disk(tmp_path) as reopened:
+        assert reopened.contains([f"k{i}" for i in range(10)]) == [True] * 10
+
+
+def test_copies_still_queued_when_close_wait_runs_out_are_dropped_and_no_thread_outlives_close(
+    shm_disk, monkeypatch, tmp_path
+) -> None:
+    """The copy being written when closing gives up waiting is finished; the queued
+    ones, and any submitted later, are counted as dropped; the copier's thread has
+    ended once close returns."""
+    store = shm_disk(close_wait=0)
+    copier = store.copiers[1]
+    writing = slowed_writes(monkeypatch, store.tiers[1], lambda: copier.counts["dropped"] >= 5)
+    before = set(threading.enumerate())
+    assert store.put(b"k0", payload("k0", 16 * KIB))
+    assert writing.wait(10)
+    for i in range(1, 6):
+        assert store.put(f"k{i}", payload(f"k{i}", 16 * KIB))
+    store.close()
+    assert new_threads(before) == []
+    copier.submit(b"late")
+    assert new_threads(before) == []
+    counts = copier.counts
+    assert (counts["queued"], counts["written"], counts["dropped"]) == (7, 1, 6)
+    with reopened_disk(tmp_path) as reopened:
+        assert reopened.contains([f"k{i}" for i in range(6)]) == [True] + [False] * 5

@@ -12,7 +12,10 @@ tier never breaks the tiers above it; only when every tier fails is the call a
 `BackendError`. A tier that cannot do an operation at all
 (`UnsupportedOperationError`, e.g. listing keys) is left out of it; only when no tier
 can is the call unsupported. The store's bytes live where its first tier's do
-(`medium`, `zero_copy`, `host_memory`).
+(`medium`, `zero_copy`, `host_memory`). Closing the store writes the queued copies for
+up to `close_wait` seconds, counts those still queued as dropped, and stops and joins
+the copiers' threads before it closes the tiers: nothing of the store runs after
+`close()` returns.
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ class TieredOptions(Options):
         "copies in the caller",
     )
     close_wait: float = Field(
-        10.0, ge=0, description="seconds closing the store waits for queued copies"
+        10.0,
+        ge=0,
+        description="seconds closing the store waits for queued copies; those still "
+        "queued then are dropped (counted)",
     )
 
     @field_validator("tiers")
@@ -128,14 +134,24 @@ class TieredBackend(Backend):
         )
 
     def info(self) -> dict[str, Any]:
-        """Each tier's counters, and what became of the copies queued for it."""
-        return {
+        """Each tier's counters, and what became of the copies queued for it; the first
+        tier's "entries" where it has a fixed table of them (`Backend.info`)."""
+        details = {
             "label": self.label,
             "tiers": {
                 tier.name: {**self._tier_stats(tier), "copies": dict(copier.counts)}
                 for tier, copier in zip(self.tiers, self.copiers, strict=True)
             },
         }
+        entries = self._first_tier_entries()
+        return details if entries is None else details | {"entries": entries}
+
+    def _first_tier_entries(self) -> int | None:
+        """The first tier's `info()["entries"]`, or None where it gives none."""
+        try:
+            return self.tiers[0].info().get("entries")
+        except (UnsupportedOperationError, BackendError):
+            return None
 
     def _tier_stats(self, tier: Backend) -> dict[str, int]:
         found = self._attempt(tier, lambda t: t.stats().as_dict(), "report its counters")
@@ -317,7 +333,8 @@ class TieredBackend(Backend):
         )
 
     def _close(self) -> None:
-        """Write the queued copies (for up to `close_wait` seconds), then close the tiers."""
+        """Write the queued copies (for up to `close_wait` seconds; the rest are dropped,
+        counted), stop the copiers' threads, then close the tiers."""
         deadline = time.monotonic() + self.options.close_wait
         for copier in getattr(self, "copiers", []):
             copier.close(max(0.0, deadline - time.monotonic()))

@@ -11,6 +11,11 @@ written. An object gone from the first tier before its turn is lost (counted), a
 is one that changed while it was being copied (its memory reused): the copy goes
 through a reservation in the tier, aborted unless the object was still whole once
 copied, so no reader of the tier ever sees torn bytes.
+
+The thread is the copier's own: `close` waits (up to its timeout) for the queued copies,
+counts those still queued as dropped, waits for the copy being written (bounded by the
+tier's own timeouts), and returns once the thread has ended, so nothing of the copier
+runs, or logs, after it. A copy submitted once closing began is dropped (counted).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from maru.log import get_logger
 
 log = get_logger(__name__)
 STOP = object()
-"""Queued by `close`: the thread ends once the copies before it are written."""
+"""Queued by `close`: the thread ends once the copies before it are handled."""
+THREAD_PREFIX = "maru-copies-to-"
+"""The name of a copier's thread, followed by its tier's name."""
 COUNTS = ("queued", "written", "present", "dropped", "lost", "failed")
 """What a copier counts: copies queued, written, found already in the tier, dropped
-because the queue was full, lost because the object left the first tier first, and
-failed in the tier."""
+(the queue was full, or the copier was closing), lost because the object left the
+first tier first, and failed in the tier."""
 
 
 class _Changed(Exception):
@@ -48,18 +55,19 @@ class Copier:
         self._lock = threading.Lock()
         self._queue: queue.Queue[Any] | None = queue.Queue(depth) if depth else None
         self._thread: threading.Thread | None = None
+        self._gate = threading.Lock()
+        """Held to queue a copy and to close: nothing is queued once closing began."""
+        self._closing = False
 
     def submit(self, key: bytes, data: Any = None) -> None:
         """Copy the object `key` into the tier: `data` if given (bytes nobody changes
         meanwhile), else the first tier's object."""
         self._count("queued")
-        if self._queue is None:
+        if self._closing:
+            self._count("dropped")
+        elif self._queue is None:
             self._copy(key, data)
-            return
-        self._start()
-        try:
-            self._queue.put_nowait((key, data))
-        except queue.Full:
+        elif not self._enqueue((key, data)):
             self._count("dropped")
             if self.counts["dropped"] in (1, 100) or self.counts["dropped"] % 10_000 == 0:
                 log.warning(
@@ -67,6 +75,23 @@ class Copier:
                     self.target.name,
                     self.counts["dropped"],
                 )
+
+    def _enqueue(self, item: tuple[bytes, Any]) -> bool:
+        """Queue a copy, starting the thread if needed; False if full or closing."""
+        assert self._queue is not None
+        with self._gate:
+            if self._closing:
+                return False
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=THREAD_PREFIX + self.target.name, daemon=True
+                )
+                self._thread.start()
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                return False
+            return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued copy is written (or dropped); False on timeout."""
@@ -82,23 +107,36 @@ class Copier:
         return True
 
     def close(self, timeout: float) -> None:
-        """Write what is queued, for up to `timeout` seconds, then stop."""
+        """Write what is queued, for up to `timeout` seconds, drop (counted) what is
+        still queued then, and return once the thread has ended."""
+        with self._gate:
+            self._closing = True
         if self._thread is None or self._queue is None:
             return
         self.flush(timeout)
-        try:
-            self._queue.put(STOP, timeout=1)
-        except queue.Full:
-            return
-        self._thread.join(timeout=1)
+        dropped = self._drop_queued()
+        if dropped:
+            log.warning(
+                "maru tier %s: %d queued copies dropped at close (after %.1f s)",
+                self.target.name,
+                dropped,
+                timeout,
+            )
+        self._queue.put(STOP)
+        self._thread.join()
 
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"maru-copies-to-{self.target.name}", daemon=True
-                )
-                self._thread.start()
+    def _drop_queued(self) -> int:
+        """Take every queued copy off the queue, counted as dropped; how many."""
+        assert self._queue is not None
+        dropped = 0
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return dropped
+            self._queue.task_done()
+            self._count("dropped")
+            dropped += 1
 
     def _run(self) -> None:
         assert self._queue is not None
