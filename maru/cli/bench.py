@@ -9,9 +9,12 @@ never the same cache-hot bytes twice. A backend that declares a private store
 configured store, under a namespace of its own, deleting what it wrote. A private
 store that `wraps` is measured in steady state (after it has wrapped, so every put
 evicts) and, for 4 MiB puts, on a fresh store's first pass, as a new serving node
-sees it. A store on local disk (`medium` "disk") is also measured against the
-device: a plain write of a new file and a read of an earlier one, of the same size,
-in the store's own directory (so on the same filesystem), in the same run.
+sees it. The objects read back while measuring (the working set) are sized from what
+the store holds at once: its capacity, and its entries where it has a fixed table of
+them (`info()["entries"]`, a pool's); the report says what bounds them. A store on
+local disk (`medium` "disk") is also measured against the device: a plain write of a
+new file and a read of an earlier one, of the same size, in the store's own directory
+(so on the same filesystem), in the same run.
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
 import maru
+from maru.backends.base import MAX_KEY_BYTES
 from maru.backends.registry import backend_class
 from maru.cli._cpu_caches import last_level_cache_bytes
 from maru.cli.command import Result, add_config_option
 from maru.cli.plots import bench_plot, png_destination, require_matplotlib
+from maru.cli.working_set import WorkingSet, working_set
 from maru.config import resolve_config
-from maru.errors import UnsupportedOperationError
-from maru.sizes import Size
+from maru.errors import ConfigError, UnsupportedOperationError
+from maru.sizes import Size, format_size
 
 KIB, MIB = 2**10, 2**20
 DEFAULT_SIZES = (64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 32 * MIB)
@@ -55,6 +60,7 @@ class SizeResult:
     local disk, also plain file writes and reads of the same bytes."""
 
     size: int
+    working_set: WorkingSet
     memcpy_gbps: float
     put_gbps: float
     get_into_gbps: float
@@ -192,22 +198,21 @@ def bench_size(
     store on local disk, plain file writes and reads).
 
     Each repetition copies once (the baseline), writes a new object and reads an
-    older one, as serving does, from and into rotating buffers; interleaving them
-    keeps the machine's drift out of the ratios. With `wrap` the store is first
-    filled once, so that every measured put evicts; the objects read, the last of
-    the fill, are read often enough to be kept. The keys written are added to
-    `written`.
+    older one of the working set (`working_set`), as serving does, from and into
+    rotating buffers; interleaving them keeps the machine's drift out of the ratios.
+    With `wrap` the store is first filled once (by bytes or by entries, whichever runs
+    out first), so that every measured put evicts; the objects read, the last of the
+    fill, are read often enough to be kept. The keys written are added to `written`.
     """
     repeats = max(5, min(200, BENCH_BYTES // size))
     sources, targets = Rotation(arenas[0], size), Rotation(arenas[1], size)
-    capacity = store.stats().capacity
-    kept = max(1, min(len(arenas[0]) // size, capacity // (4 * size)))
-    for i in range(capacity // size + 1 if wrap else kept):
+    chosen = working_set(store, size, len(arenas[0]))
+    for i in range(chosen.holds + 1 if wrap else chosen.objects):
         written.append(f"fill-{run}-{i}".encode())
         store.put(written[-1], sources())
     directory = store_directory(store)
-    files = None if directory is None else FileBaseline(directory, size, kept)
-    reads = itertools.cycle(written[-kept:])
+    files = None if directory is None else FileBaseline(directory, size, max(1, chosen.objects))
+    older = itertools.cycle(written[-chosen.objects :]) if chosen.objects else None
     samples: dict[str, list[float]] = {name: [] for name in ("memcpy", "put", "get", "fw", "fr")}
     try:
         for i in range(repeats):
@@ -217,9 +222,12 @@ def bench_size(
                 samples["fw"].append(_timed(files.write, sources())[0])
                 samples["fr"].append(_timed(files.read, targets())[0])
             samples["put"].append(_timed(store.put, written[-1], sources())[0])
-            seconds, found = _timed(store.get_into, next(reads), targets())
+            read = written[-1] if older is None else next(older)
+            seconds, found = _timed(store.get_into, read, targets())
             if found is None:
-                raise maru.BackendError(f"benchmark missed a {size}-byte object it wrote")
+                raise maru.BackendError(
+                    f"benchmark missed a {size}-byte object it wrote ({chosen.describe(size)})"
+                )
             samples["get"].append(seconds)
     finally:
         if files is not None:
@@ -227,7 +235,7 @@ def bench_size(
     _check_read_back(store, written[-1], size)
     gbps = {name: size / statistics.median(times) / 1e9 for name, times in samples.items() if times}
     return SizeResult(
-        size, gbps["memcpy"], gbps["put"], gbps["get"], gbps.get("fw"), gbps.get("fr")
+        size, chosen, gbps["memcpy"], gbps["put"], gbps["get"], gbps.get("fw"), gbps.get("fr")
     )
 
 
@@ -246,23 +254,25 @@ def _check_read_back(store: maru.Backend, key: bytes, size: int) -> None:
 def bench_first_pass(
     backend: str, capacity: int, config_file: str | None, arenas: tuple[np.ndarray, np.ndarray]
 ) -> dict[str, Any]:
-    """4 MiB puts into a pool that was never touched, until it is full: what a new node
-    gets (a new pool is populated as it is opened, so its first pass runs at memory
-    speed). Throughputs are over the whole pass, open excluded."""
-    sources, targets = Rotation(arenas[0], FIRST_PASS_SIZE), Rotation(arenas[1], FIRST_PASS_SIZE)
-    count = capacity // FIRST_PASS_SIZE - 1
-    memcpy_gbps = FIRST_PASS_SIZE / memcpy_seconds(sources, targets, max(5, count)) / 1e9
+    """4 MiB puts (a quarter of a smaller pool) into a pool that was never touched, until
+    it is full: what a new node gets (a new pool is populated as it is opened, so its
+    first pass runs at memory speed). Throughputs are over the whole pass, open
+    excluded."""
+    size = max(1, min(FIRST_PASS_SIZE, capacity // 4))
+    sources, targets = Rotation(arenas[0], size), Rotation(arenas[1], size)
+    count = capacity // size - 1
+    memcpy_gbps = size / memcpy_seconds(sources, targets, max(5, count)) / 1e9
     started = time.perf_counter()
     with maru.open_store(bench_config(backend, capacity, config_file, fresh=True)) as store:
         try:
             opened = time.perf_counter()
             for i in range(count):
                 store.put(f"first-{i}".encode(), sources())
-            put_gbps = count * FIRST_PASS_SIZE / (time.perf_counter() - opened) / 1e9
+            put_gbps = count * size / (time.perf_counter() - opened) / 1e9
         finally:
             store.destroy()
     return {
-        "size": FIRST_PASS_SIZE,
+        "size": size,
         "pool_bytes": capacity,
         "memcpy_gbps": memcpy_gbps,
         "open_s": opened - started,
@@ -308,6 +318,18 @@ def _leave_nothing(store: maru.Backend, written: list[bytes], private: bool) -> 
     _delete_written(store, written)
 
 
+def check_sizes(sizes: tuple[int, ...], capacity: int) -> None:
+    """Refuse, before measuring anything, an object size that leaves no room in a store
+    of `capacity` bytes for the object's key (up to MAX_KEY_BYTES)."""
+    for size in sizes:
+        if size > capacity - MAX_KEY_BYTES:
+            raise ConfigError(
+                f"maru bench --size {format_size(size)} does not fit in a store of "
+                f"--capacity {format_size(capacity)} with its key (up to {MAX_KEY_BYTES} "
+                "bytes): use a smaller size or a larger capacity"
+            )
+
+
 def run_bench(
     backend: str,
     sizes: tuple[int, ...] = DEFAULT_SIZES,
@@ -316,12 +338,14 @@ def run_bench(
     config_file: str | None = None,
 ) -> dict[str, Any]:
     """Benchmark one installed backend; the report as plain data. Leaves nothing behind.
-    An unknown name is a ConfigError listing the installed backends."""
+    An unknown name, or a size that does not fit in `capacity`, is a ConfigError."""
     progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    check_sizes(sizes, capacity)
     private = has_private_store(backend)
     wrap = private and backend_class(backend).wraps
     written: list[bytes] = []
-    arenas = (pretouched(arena_bytes(), 1), pretouched(arena_bytes(), 2))
+    buffer_bytes = max(arena_bytes(), 2 * max(sizes))
+    arenas = (pretouched(buffer_bytes, 1), pretouched(buffer_bytes, 2))
     first_pass = None
     if wrap:
         progress(f"{backend}: first pass of a fresh pool ...")
@@ -330,7 +354,7 @@ def run_bench(
         try:
             results = []
             for run, size in enumerate(sizes):
-                progress(f"{backend}: {size // KIB} KiB objects ...")
+                progress(f"{backend}: {format_size(size)} objects ...")
                 results.append(bench_size(store, size, run, written, arenas, wrap))
                 _delete_written(store, written)
             progress(f"{backend}: latency ...")
@@ -355,16 +379,17 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for r in report["sizes"]:
         lines.append(
-            f"{_size_label(r['size']):>8} {r['memcpy_gbps']:8.2f} {r['put_gbps']:8.2f} "
+            f"{format_size(r['size']):>8} {r['memcpy_gbps']:8.2f} {r['put_gbps']:8.2f} "
             f"{r['put_ratio']:6.2f} {r['get_into_gbps']:9.2f} {r['get_ratio']:6.2f}"
         )
+    lines += ["  " + WorkingSet(**r["working_set"]).describe(r["size"]) for r in report["sizes"]]
     if report["sizes"] and report["sizes"][0]["file_write_gbps"] is not None:
         lines += _file_baseline_lines(report["sizes"])
     first = report["first_pass"]
     if first:
         lines += [
-            f"first pass of a fresh {first['pool_bytes'] // MIB} MiB pool, "
-            f"{_size_label(first['size'])} puts (opened in {first['open_s']:.2f} s; "
+            f"first pass of a fresh {format_size(first['pool_bytes'])} pool, "
+            f"{format_size(first['size'])} puts (opened in {first['open_s']:.2f} s; "
             f"memcpy {first['memcpy_gbps']:.2f} GB/s):",
             f"  put {first['put_gbps']:8.2f} ratio {first['put_ratio']:.2f}",
         ]
@@ -385,15 +410,11 @@ def _file_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
     ]
     for r in rows:
         lines.append(
-            f"{_size_label(r['size']):>8} {r['file_write_gbps']:8.2f} {r['put_gbps']:8.2f} "
+            f"{format_size(r['size']):>8} {r['file_write_gbps']:8.2f} {r['put_gbps']:8.2f} "
             f"{r['put_gbps'] / r['file_write_gbps']:6.2f} {r['file_read_gbps']:9.2f} "
             f"{r['get_into_gbps']:9.2f} {r['get_into_gbps'] / r['file_read_gbps']:6.2f}"
         )
     return lines
-
-
-def _size_label(size: int) -> str:
-    return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
 
 
 # --- the command -----------------------------------------------------------------
