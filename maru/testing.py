@@ -141,6 +141,43 @@ class BackendContract:
         many = [f"key-{i}".encode() for i in range(128)]
         assert store.contains(many) == [False] * 128
 
+    def test_get_many_into_fills_each_buffer_or_says_miss(self, store: Backend) -> None:
+        store.put(b"a", payload("a", 3 * KIB))
+        store.put(b"c", b"")
+        outs = [bytearray(4 * KIB), bytearray(16), np.zeros(KIB, np.float32), bytearray(1)]
+        assert store.get_many_into([b"a", b"b", "a", b"c"], outs) == [3 * KIB, None, 3 * KIB, 0]
+        assert bytes(outs[0][: 3 * KIB]) == payload("a", 3 * KIB) == outs[2].tobytes()[: 3 * KIB]
+        assert outs[1] == bytearray(16) and store.get_many_into([], []) == []
+
+    def test_get_many_into_refuses_a_small_buffer_and_leaves_it_untouched(
+        self, store: Backend
+    ) -> None:
+        store.put(b"a", payload("a", 2 * KIB))
+        store.put(b"b", payload("b", 2 * KIB))
+        small = bytearray(KIB)
+        with pytest.raises(BufferTooSmallError, match="bytes"):
+            store.get_many_into([b"a", b"b"], [bytearray(2 * KIB), small])
+        assert small == bytearray(KIB)
+        with pytest.raises(ValueError, match="outs"):
+            store.get_many_into([b"a", b"b"], [bytearray(2 * KIB)])
+
+    def test_put_many_stores_each_and_the_first_writer_wins(self, store: Backend) -> None:
+        store.put(b"old", b"first")
+        items = [(b"old", b"second"), (b"x", payload("x", KIB)), ("x", b"again"), (b"e", b"")]
+        assert store.put_many(items) == [False, True, False, True]
+        assert store.get(b"old") == b"first" and store.get(b"x") == payload("x", KIB)
+        with store.reserve(b"pending", 4) as buffer:
+            buffer[:] = b"abcd"
+            assert store.put_many([(b"pending", b"wxyz")]) == [False]
+        assert store.get(b"pending") == b"abcd" and store.put_many([]) == []
+
+    def test_put_many_refuses_bad_keys_and_too_large_objects(self, store: Backend) -> None:
+        with pytest.raises(InvalidKeyError, match="key"):
+            store.put_many([(b"fine", b"v"), (b"", b"v")])
+        with pytest.raises(ObjectTooLargeError, match="larger than"):
+            store.put_many([(b"big", bytes(self.capacity + 1))])
+        assert store.contains([b"big"]) == [False]
+
     def test_delete_removes_the_object(self, store: Backend) -> None:
         store.put(b"k", b"v")
         assert store.delete(b"k") is True

@@ -36,6 +36,11 @@ backend instead of knowing backend names:
   go round and reuse (evicting) once full, so a fresh store's first pass differs
   from its steady state.
 
+Batch operations, `get_many_into` and `put_many`: many objects in one call, one round
+trip per server where the backend can (Redis); their defaults loop over `get_into` and
+`put`. A key whose part of the store failed is a miss (None / False) where the backend
+can tell that part from the rest (a cluster's nodes), and `BackendError` otherwise.
+
 Optional operations, for tools (`maru pool`, `maru bench`): `open_existing`,
 `destroy`, `clear`, `info`, `populate`, `private_options` and `label`. Their
 defaults either do the plain thing (`open_existing` just opens, `private_options`
@@ -324,6 +329,26 @@ class Backend(ABC):
         """
         return self._get_into(self._open_key(key), byte_view(out, writable=True))
 
+    def get_many_into(self, keys: Sequence[Key], outs: Sequence[Any]) -> list[int | None]:
+        """Copy each key's object into its buffer in `outs`: one size per key, None for a
+        miss (or a failed part of the store: see the module docstring). A buffer too
+        small for its object raises BufferTooSmallError and gets nothing (the others may
+        have been filled)."""
+        self._check_open()
+        if len(outs) != len(keys):
+            raise ValueError(
+                f"outs holds {len(outs)} buffers for {len(keys)} keys; allowed: one per key"
+            )
+        return self._get_many_into(
+            [normalize_key(key) for key in keys], [byte_view(out, writable=True) for out in outs]
+        )
+
+    def put_many(self, items: Sequence[tuple[Key, Any]]) -> list[bool]:
+        """`put` each (key, data), in order: one answer per item, False where the key was
+        taken (by an earlier item too), there was no room, or its part of the store failed."""
+        self._check_open()
+        return self._put_many([(normalize_key(key), byte_view(data)) for key, data in items])
+
     def view(self, key: Key) -> ReadView | None:
         """The object's bytes without a copy where `zero_copy`; None on a miss."""
         return self._view(self._open_key(key))
@@ -436,6 +461,14 @@ class Backend(ABC):
         """Default: `_get`, then one copy; backends that can read in place override it."""
         data = self._get(key)
         return None if data is None else self.copy_out(key, data, out)
+
+    def _get_many_into(self, keys: list[bytes], outs: list[memoryview]) -> list[int | None]:
+        """Default: `_get_into` each; backends that batch round trips override it."""
+        return [self._get_into(key, out) for key, out in zip(keys, outs, strict=True)]
+
+    def _put_many(self, items: list[tuple[bytes, memoryview]]) -> list[bool]:
+        """Default: `_put` each; backends that batch round trips override it."""
+        return [self._put(key, data) for key, data in items]
 
     def _view(self, key: bytes) -> ReadView | None:
         """Default: a private copy (backends with `zero_copy` read in place)."""

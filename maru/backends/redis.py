@@ -1,131 +1,112 @@
 """Redis or Valkey: one store shared by instances on many machines.
 
-Maru uses the server as it is: a single server, a replicated one, or a Redis
-Cluster. Each object is one string value, written with `SET NX` (first writer
-wins, and a reader sees the whole value or nothing). Eviction is the server's:
-run it with `maxmemory` and `maxmemory-policy allkeys-lru`. Timeouts are short
-and there are no retries, because the store sits on the inference path: every
-failure is a `BackendError`, which the connector treats as a miss.
+Maru uses the server as it is: a single server, a primary watched by Sentinels, or a
+Redis Cluster. Each object is one string value, written with `SET NX` (first writer
+wins, and a reader sees the whole value or nothing). Eviction is the server's: run it
+with `maxmemory` and `maxmemory-policy allkeys-lru` (checked, with a warning, at open).
+
+Every call has a deadline, `timeout` plus its bytes at `min_throughput`, and there are
+no retries, because the store sits on the inference path: a failure is a
+`BackendError`, which the connector treats as a miss. Credentials or permissions the
+server refuses are a `ConfigError` instead, since retrying cannot fix them. Batches
+(`contains`, `get_many_into`, `put_many`) take one round trip per node; in a cluster
+the nodes are asked in parallel, and a node that fails or is slow costs only its own
+keys (misses), unless every node asked failed. Reads land straight in the caller's
+buffer (`get_into`, `get_many_into`); a large one is read in ranges of one version of the
+object (`chunked_reads`).
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator
-
+from maru.backends._redis.options import RedisOptions
 from maru.backends.base import Backend, StoreStats
-from maru.config import Options
 from maru.errors import BackendError, ObjectTooLargeError
 from maru.hookspecs import hookimpl
 
-SCHEMES = ("redis", "rediss", "unix")
+try:  # redis-py is optional (maru[redis]): without it the backend is listed, not opened
+    import redis
 
+    from maru.backends._redis import connect
+    from maru.backends._redis.batches import Batches
+    from maru.backends._redis.policy import check_eviction_policy
+    from maru.backends._redis.topology import Node, open_topology
+    from maru.backends._redis.wire import Deadline, Reader, TooSmall, exchange, read_into
+except ModuleNotFoundError as exc:
+    if exc.name != "redis" and not (exc.name or "").startswith("redis."):
+        raise
+    redis = None  # type: ignore[assignment]
 
-class RedisOptions(Options):
-    """The `redis:` config section."""
+__all__ = ["RedisBackend", "RedisOptions"]
 
-    url: str = Field(
-        "redis://127.0.0.1:6379/0",
-        description="redis://, rediss:// (TLS) or "
-        "unix:// address of a server (or of any node of a cluster)",
-    )
-    username: str | None = Field(None, description="ACL user (or in the URL)")
-    password: SecretStr | None = Field(
-        None, description="password; set it with MARU_REDIS__PASSWORD rather than in a file"
-    )
-    db: int | None = Field(None, ge=0, description="database number (not in cluster mode)")
-    key_prefix: str = Field("maru:", description="prefix of every key maru writes")
-    ttl: float | None = Field(None, gt=0, description="seconds an object lives, if set")
-    connect_timeout: float = Field(0.5, gt=0, le=60, description="seconds to connect")
-    timeout: float = Field(0.5, gt=0, le=60, description="seconds to wait for a reply")
-    pool_size: int = Field(16, ge=1, le=1024, description="connections per process")
-    cluster: bool = Field(False, description="the URL names a node of a Redis Cluster")
-
-    @field_validator("url")
-    @classmethod
-    def _known_scheme(cls, url: str) -> str:
-        scheme = urlsplit(url).scheme
-        if scheme not in SCHEMES:
-            raise ValueError(f"scheme {scheme or '(none)'!r} is not one of {', '.join(SCHEMES)}")
-        return url
+T = TypeVar("T")
 
 
 class RedisBackend(Backend):
-    """Objects as string values on a Redis/Valkey server or cluster."""
+    """Objects as string values on a Redis/Valkey server, Sentinel primary or cluster."""
 
     name: ClassVar[str] = "redis"
     Options = RedisOptions
-    description: ClassVar[str] = "Redis or Valkey (server, replicated, or cluster)"
+    description: ClassVar[str] = "Redis or Valkey (server, Sentinel, or cluster)"
     lists_keys = True
 
     def __init__(self, config: Any) -> None:
+        if redis is None:
+            raise BackendError("the redis backend needs redis-py: pip install 'maru[redis]'")
         super().__init__(config)
         self._prefix = f"{self.options.key_prefix}{config.namespace}:".encode()
-        self._client = self._connect()
+        self._per_byte = 1 / self.options.min_throughput
         self._pending: set[bytes] = set()
         self._lock = threading.Lock()
         self._hits = self._misses = 0
+        self._topology = open_topology(self.options)
+        self._batches = Batches(self._topology, self.options, self.describe(self.options))
+        check_eviction_policy(self._topology.primaries(), self.options)
 
     @classmethod
     def describe(cls, options: Any) -> str:
         """Where the server is (never the password), for `maru info`."""
+        sentinel = options.sentinel
+        if sentinel is not None:
+            addresses = ",".join(f"{host}:{port}" for host, port in sentinel[0])
+            return f"Redis primary {sentinel[1]!r} via Sentinels {addresses}"
         parts = urlsplit(options.url)
         where = parts.hostname or parts.path
         port = f":{parts.port}" if parts.port else ""
-        return (
-            f"{'Redis Cluster' if options.cluster else 'Redis'} at {parts.scheme}://{where}{port}"
-        )
+        more = f" (+{len(options.urls)} seed nodes)" if options.urls else ""
+        kind = "Redis Cluster" if options.cluster else "Redis"
+        return f"{kind} at {parts.scheme}://{where}{port}{more}"
 
-    def _connect(self) -> Any:
-        try:
-            import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
-        except ImportError:
-            raise BackendError("the redis backend needs redis-py: pip install redis") from None
-        options = self.options
-        settings: dict[str, Any] = {
-            "socket_connect_timeout": options.connect_timeout,
-            "socket_timeout": options.timeout,
-            "retry": Retry(NoBackoff(), 0),
-            "max_connections": options.pool_size,
-        }
-        if options.username:
-            settings["username"] = options.username
-        if options.password:
-            settings["password"] = options.password.get_secret_value()
-        with self._failures("connect"):
-            if options.cluster:
-                from redis.cluster import RedisCluster
+    # --- batches, one per node -----------------------------------------------
 
-                return RedisCluster.from_url(options.url, **settings)
-            if options.db is not None:
-                settings["db"] = options.db
-            return redis.Redis.from_url(options.url, **settings)
+    def _exchange(
+        self,
+        node: Node,
+        commands: list[tuple[Any, ...]],
+        read: Callable[[Reader], T],
+        nbytes: int = 0,
+    ) -> T:
+        """`commands` to `node` in one round trip, by a deadline of `timeout` plus
+        `nbytes` (and the bytes of the replies) at `min_throughput`."""
+        timeout, per_byte = self.options.timeout, self._per_byte
+        return exchange(node.pool, commands, read, lambda: Deadline(timeout, per_byte, nbytes))
 
-    @contextmanager
-    def _failures(self, operation: str) -> Iterator[None]:
-        """Every client or server error inside becomes a BackendError naming the operation
-        and the server (never the password), which the connector treats as a miss."""
-        import redis
+    def _simple(self, operation: str, command: str, names: list[bytes], miss: Any) -> list[Any]:
+        """One `command name` per name, pipelined per node: the replies."""
 
-        try:
-            yield
-        except redis.RedisError as exc:
-            raise BackendError(
-                f"{operation} on {self.describe(self.options)} failed: {type(exc).__name__}: {exc}"
-            ) from None
+        def run(node: Node, indices: list[int]) -> list[Any]:
+            commands = [(command, names[i]) for i in indices]
+            return self._exchange(node, commands, lambda reader: _values(reader, len(commands)))
 
-    def _call(self, operation: str, *args: Any, **kwargs: Any) -> Any:
-        """One command of the client."""
-        with self._failures(operation):
-            return getattr(self._client, operation)(*args, **kwargs)
+        return self._batches.run(operation, names, run, miss)
+
+    # --- the contract --------------------------------------------------------
 
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key
@@ -137,16 +118,31 @@ class RedisBackend(Backend):
                 "bytes, the configured capacity)"
             )
 
-    def _store(self, key: bytes, data: Any) -> bool:
-        ttl_ms = int(self.options.ttl * 1000) if self.options.ttl else None
-        return bool(self._call("set", self._key(key), data, nx=True, px=ttl_ms))
+    def _store(self, items: list[tuple[bytes, memoryview]]) -> list[bool]:
+        """SET NX each (key, data), pipelined per node: which were stored."""
+        expiry = ("PX", int(self.options.ttl * 1000)) if self.options.ttl else ()
+        names = [self._key(key) for key, _ in items]
+
+        def run(node: Node, indices: list[int]) -> list[bool]:
+            commands = [("SET", names[i], items[i][1], "NX", *expiry) for i in indices]
+            nbytes = sum(items[i][1].nbytes for i in indices)
+            replies = self._exchange(node, commands, lambda r: _values(r, len(commands)), nbytes)
+            return [reply is not None for reply in replies]
+
+        return self._batches.run("set", names, run, False)
 
     def _put(self, key: bytes, data: memoryview) -> bool:
-        self._check_size(data.nbytes)
+        return self._put_many([(key, data)])[0]
+
+    def _put_many(self, items: list[tuple[bytes, memoryview]]) -> list[bool]:
+        for _, data in items:
+            self._check_size(data.nbytes)
         with self._lock:
-            if key in self._pending:
-                return False
-        return self._store(key, data)
+            free = [i for i, (key, _) in enumerate(items) if key not in self._pending]
+        stored = [False] * len(items)
+        for i, done in zip(free, self._store([items[i] for i in free]), strict=True):
+            stored[i] = done
+        return stored
 
     def _begin(self, key: bytes, nbytes: int) -> tuple[Any, memoryview] | None:
         self._check_size(nbytes)
@@ -155,7 +151,7 @@ class RedisBackend(Backend):
                 return None
             self._pending.add(key)
         try:
-            if self._call("exists", self._key(key)):
+            if self._contains([key])[0]:
                 self._release(key)
                 return None
         except BaseException:
@@ -171,90 +167,114 @@ class RedisBackend(Backend):
     def _commit(self, handle: tuple[bytes, bytearray]) -> None:
         key, buffer = handle
         try:
-            self._store(key, buffer)
+            self._store([(key, memoryview(buffer))])
         finally:
             self._release(key)
 
     def _abort(self, handle: tuple[bytes, bytearray]) -> None:
         self._release(handle[0])
 
-    def _count(self, found: bool) -> None:
+    def _count(self, answers: list[Any]) -> None:
+        found = sum(answer is not None for answer in answers)
         with self._lock:
-            if found:
-                self._hits += 1
-            else:
-                self._misses += 1
+            self._hits += found
+            self._misses += len(answers) - found
 
     def _get(self, key: bytes) -> bytes | None:
-        data = self._call("get", self._key(key))
-        self._count(data is not None)
-        return data
+        data = self._simple("get", "GET", [self._key(key)], None)
+        self._count(data)
+        return data[0]
+
+    def _get_into(self, key: bytes, out: memoryview) -> int | None:
+        return self._get_many_into([key], [out])[0]
+
+    def _get_many_into(self, keys: list[bytes], outs: list[memoryview]) -> list[int | None]:
+        names = [self._key(key) for key in keys]
+
+        chunked = self.options.chunked_reads
+
+        def run(node: Node, indices: list[int]) -> list[Any]:
+            commands: list[tuple[Any, ...]] = []
+            readers = []
+            for i in indices:
+                sent, read = read_into(names[i], outs[i], chunked)
+                commands += sent
+                readers.append(read)
+            return self._exchange(
+                node, commands, lambda reader: [_raised(read(reader)) for read in readers]
+            )
+
+        sizes = self._batches.run("get", names, run, None)
+        for key, out, size in zip(keys, outs, sizes, strict=True):
+            if isinstance(size, TooSmall):
+                raise self.too_small(key, size.size, out)
+        self._count(sizes)
+        return sizes
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
-        if not keys:
-            return []
-        pipeline = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipeline.exists(self._key(key))
-        return [bool(found) for found in self._call_pipeline(pipeline)]
-
-    def _call_pipeline(self, pipeline: Any) -> list[Any]:
-        with self._failures("pipeline"):
-            return pipeline.execute()
+        found = self._simple("exists", "EXISTS", [self._key(key) for key in keys], 0)
+        return [bool(count) for count in found]
 
     def _delete(self, key: bytes) -> bool:
-        return bool(self._call("delete", self._key(key)))
+        return bool(self._simple("delete", "DEL", [self._key(key)], 0)[0])
+
+    # --- tools ---------------------------------------------------------------
+
+    @contextmanager
+    def _failures(self, operation: str, node: Node) -> Iterator[None]:
+        with connect.failures(operation, node.where, self.options):
+            yield
 
     def _scan(self, prefix: bytes) -> list[bytes]:
-        """The server's names of the keys under this store's prefix and `prefix`."""
-        with self._failures("scan"):
-            return list(
-                self._client.scan_iter(match=_glob_escape(self._prefix + prefix) + b"*", count=1000)
-            )
+        """The server's names of the keys under this store's prefix and `prefix`, on
+        every primary."""
+        pattern = _glob_escape(self._prefix + prefix) + b"*"
+        names: list[bytes] = []
+        for node in self._topology.primaries():
+            with self._failures("scan", node):
+                names.extend(node.client.scan_iter(match=pattern, count=1000))
+        return names
 
     def _keys(self, prefix: bytes) -> list[bytes]:
         return [name[len(self._prefix) :] for name in self._scan(prefix)]
 
     def _delete_prefix(self, prefix: bytes) -> int:
-        names = self._scan(prefix)
-        return sum(self._call("delete", *names[i : i + 1000]) for i in range(0, len(names), 1000))
+        return sum(self._simple("delete", "DEL", self._scan(prefix), 0))
 
     def _stats(self) -> StoreStats:
         """Objects and bytes under this store's prefix (a SCAN: for tools, not hot paths);
-        hits and misses of this process; evictions as the server counts them."""
-        keys = self._scan(b"")
-        sizes = self._sizes(keys)
-        evicted = sum(node.get("evicted_keys", 0) for node in _per_node(self._server_stats()))
+        hits and misses of this process; evictions as the servers count them."""
+        names = self._scan(b"")
+        sizes = self._simple("strlen", "STRLEN", names, 0)
+        evicted = sum(
+            self._server_stats(node).get("evicted_keys", 0) for node in self._topology.primaries()
+        )
         with self._lock:
             return StoreStats(
-                self.config.capacity, sum(sizes), len(keys), self._hits, self._misses, evicted
+                self.config.capacity, sum(sizes), len(names), self._hits, self._misses, evicted
             )
 
-    def _server_stats(self) -> dict[str, Any]:
+    def _server_stats(self, node: Node) -> dict[str, Any]:
         """INFO stats, or nothing from a server or proxy without INFO (no eviction count)."""
-        import redis
-
-        with self._failures("info"):
+        with self._failures("info", node):
             try:
-                return self._client.info("stats")
+                return node.client.info("stats")
             except redis.ResponseError:
                 return {}
 
-    def _sizes(self, keys: list[bytes]) -> list[int]:
-        pipeline = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipeline.strlen(key)
-        return [int(size) for size in self._call_pipeline(pipeline)] if keys else []
-
     def _close(self) -> None:
-        self._client.close()
+        self._batches.close()
 
 
-def _per_node(info: dict[str, Any]) -> list[dict[str, Any]]:
-    """INFO of a server, or of each node of a cluster (keyed by node)."""
-    if info and all(isinstance(value, dict) for value in info.values()):
-        return list(info.values())
-    return [info]
+def _values(reader: Reader, count: int) -> list[Any]:
+    """`count` replies; the first error among them raised once all were read."""
+    return [_raised(value) for value in [reader.value() for _ in range(count)]]
+
+
+def _raised(value: T) -> T:
+    if isinstance(value, Exception):
+        raise value
+    return value
 
 
 @hookimpl

@@ -39,6 +39,7 @@ from maru.backends.base import MAX_KEY_BYTES
 from maru.backends.registry import backend_class
 from maru.cli._cpu_caches import last_level_cache_bytes
 from maru.cli.command import Result, add_config_option
+from maru.cli.link_baseline import link_for, link_lines
 from maru.cli.plots import bench_plot, png_destination, require_matplotlib
 from maru.cli.working_set import WorkingSet, working_set
 from maru.config import resolve_config
@@ -52,6 +53,7 @@ BENCH_BYTES = 256 * MIB
 ARENA_BYTES = 256 * MIB
 """Least size of each rotating buffer (sources, targets); at least 4 times the L3."""
 FIRST_PASS_SIZE = 4 * MIB
+SAMPLES = ("memcpy", "put", "get", "fw", "fr", "ls", "lr")  # SizeResult's gbps, in order
 
 
 @dataclass
@@ -66,6 +68,8 @@ class SizeResult:
     get_into_gbps: float
     file_write_gbps: float | None = None
     file_read_gbps: float | None = None
+    link_send_gbps: float | None = None
+    link_receive_gbps: float | None = None
 
     @property
     def put_ratio(self) -> float:
@@ -212,8 +216,9 @@ def bench_size(
         store.put(written[-1], sources())
     directory = store_directory(store)
     files = None if directory is None else FileBaseline(directory, size, max(1, chosen.objects))
+    link = link_for(store, size)
     older = itertools.cycle(written[-chosen.objects :]) if chosen.objects else None
-    samples: dict[str, list[float]] = {name: [] for name in ("memcpy", "put", "get", "fw", "fr")}
+    samples: dict[str, list[float]] = {name: [] for name in SAMPLES}
     try:
         for i in range(repeats):
             written.append(f"bench-{run}-{i}".encode())
@@ -221,6 +226,9 @@ def bench_size(
             if files is not None:
                 samples["fw"].append(_timed(files.write, sources())[0])
                 samples["fr"].append(_timed(files.read, targets())[0])
+            if link is not None:
+                samples["ls"].append(_timed(link.send, sources())[0])
+                samples["lr"].append(_timed(link.receive, targets())[0])
             samples["put"].append(_timed(store.put, written[-1], sources())[0])
             read = written[-1] if older is None else next(older)
             seconds, found = _timed(store.get_into, read, targets())
@@ -232,11 +240,11 @@ def bench_size(
     finally:
         if files is not None:
             files.remove()
+        if link is not None:
+            link.close()
     _check_read_back(store, written[-1], size)
     gbps = {name: size / statistics.median(times) / 1e9 for name, times in samples.items() if times}
-    return SizeResult(
-        size, chosen, gbps["memcpy"], gbps["put"], gbps["get"], gbps.get("fw"), gbps.get("fr")
-    )
+    return SizeResult(size, chosen, *(gbps.get(name) for name in SAMPLES))
 
 
 def _check_read_back(store: maru.Backend, key: bytes, size: int) -> None:
@@ -385,6 +393,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines += ["  " + WorkingSet(**r["working_set"]).describe(r["size"]) for r in report["sizes"]]
     if report["sizes"] and report["sizes"][0]["file_write_gbps"] is not None:
         lines += _file_baseline_lines(report["sizes"])
+    if report["sizes"] and report["sizes"][0].get("link_send_gbps") is not None:
+        lines += link_lines(report["sizes"])
     first = report["first_pass"]
     if first:
         lines += [
