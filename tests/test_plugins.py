@@ -199,8 +199,9 @@ def broken(tmp_path, monkeypatch) -> BrokenPlugin:
 
 
 def run_maru(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """The installed `maru` command, run as an operator would."""
-    command = [str(Path(sys.executable).parent / "maru"), *argv]
+    """The `maru` command, in a process of its own as an operator runs it (`python -m
+    maru`: the release lanes' environments have no `maru` script of their own)."""
+    command = [sys.executable, "-m", "maru", *argv]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
 
 
