@@ -37,7 +37,8 @@ def test_the_demo_runs_from_a_fresh_home_and_leaves_no_pool(fresh_home, capsys) 
     assert "each engine's first request (before these, 24 tokens of its own" in out
     assert "objects=3," in out, "the prompt's two chunks and A's record: warm-ups store nothing"
     assert f"capacity={256 * 2**20}," in out, "the demo's own small pool"
-    assert set(SHM_DIR.glob("maru-*")) == pools_before, "nothing left in shared memory"
+    left = set(SHM_DIR.glob("maru-*")) - pools_before
+    assert not left, "nothing of the demo left in shared memory (other processes may come and go)"
     assert (fresh_home / ".cache/maru/demo-engines.log").stat().st_size > 0
     assert (fresh_home / ".cache/maru/models/demo-llama/config.json").is_file()
 
