@@ -9,10 +9,13 @@ scheduler half (`maru.vllm.scheduler`: lookups, load and save plans), in each wo
 the worker half (`maru.vllm.worker`: copies between the store and the KV cache). Only
 chunk keys and block ids travel from scheduler to workers (`maru.vllm.metadata`).
 
-The store is best-effort: a lookup error is a miss, a chunk that cannot be loaded is
-reported through `get_block_ids_with_load_errors` so vLLM recomputes it, and after an
-error the store is skipped for `error_backoff` seconds. What retrying cannot fix (bad
-configuration, an unknown tensor-parallel rank) turns the half off with one error.
+A hit in memory is copied within the step; one in a slow tier (Redis, a disk) is loaded
+asynchronously, read off the engine's thread while other requests run
+(`maru.vllm.asyncloads`). The store is best-effort: a lookup error is a miss, a chunk
+that cannot be loaded is reported through `get_block_ids_with_load_errors` so vLLM
+recomputes it, and after an error the store is skipped for `error_backoff` seconds.
+What retrying cannot fix (bad configuration, an unknown tensor-parallel rank) turns the
+half off with one error.
 """
 
 from __future__ import annotations
@@ -190,7 +193,7 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         tokens = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        return tokens, bool(tokens) and self.scheduler.loads_async
+        return tokens, bool(tokens) and self.scheduler.load_async(request.request_id)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(
@@ -204,7 +207,10 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
         super().update_connector_output(connector_output)
         if self.scheduler_half is not None:
             self.scheduler_half.saves_settled(set(connector_output.finished_sending or ()))
-            self.scheduler_half.loads_failed(set(getattr(connector_output, "failed_recving", ())))
+            self.scheduler_half.loads_failed(
+                set(getattr(connector_output, "failed_recving", ())),
+                frozenset(getattr(connector_output, "invalid_block_ids", None) or ()),
+            )
             worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(worker_meta, MaruWorkerMeta):
                 self.scheduler_half.set_layout(set(worker_meta.layout_fingerprints))

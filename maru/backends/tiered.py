@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from maru.backends._tiered.copier import Copier
-from maru.backends.base import Backend, ReadView, StoreStats
+from maru.backends.base import MEDIA, Backend, Key, Medium, ReadView, StoreStats
 from maru.backends.registry import backend_class
 from maru.config import Options
 from maru.errors import BackendError, UnsupportedOperationError
@@ -124,6 +124,17 @@ class TieredBackend(Backend):
 
     def host_memory(self) -> memoryview | None:
         return self.tiers[0].host_memory()
+
+    def media(self, keys: list[Key]) -> list[Medium]:
+        """Per key, where a read of it goes: the first tier's medium where the first tier
+        holds it, else the slowest medium below. Asks the first tier only, so answering
+        costs no trip to a lower tier (the vLLM connector reads slow tiers in the
+        background)."""
+        held = self._attempt(self.tiers[0], lambda t: t.contains(keys), "look up")
+        below = max((tier.medium for tier in self.tiers[1:]), key=MEDIA.index)
+        if held is FAILED:
+            return [below] * len(keys)
+        return [self.medium if present else below for present in held]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued copy is written into its tier; False on timeout."""

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -181,6 +181,18 @@ class MaruConfig(BaseModel):
         ge=0,
         description="with kv_role kv_consumer, seconds a request waits for the objects its "
         "producer named (kv_transfer_params) to be stored before computing them",
+    )
+    async_loads: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="load a hit in the background (vLLM parks its request, others decode): "
+        "auto where its objects are on a slow tier (disk, remote; a tiered store's lower "
+        "tiers), always, or never (every load inside the engine's step)",
+    )
+    async_load_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a request's background load may take, plus one per 100 MiB it "
+        "reads, before it counts as failed and vLLM recomputes",
     )
     kv_cache_huge_pages: bool = Field(
         True,

@@ -32,6 +32,9 @@ class ChunkTransfer:
     req_id: str = ""
     group: int = 0
     """The KV cache group (`maru.vllm.groups`): its layers' pages, its block ids."""
+    background: bool = False
+    """A load read off the engine's thread and reported by `get_finished`
+    (`maru.vllm.asyncloads`)."""
 
 
 @dataclass

@@ -9,13 +9,13 @@ the namespace's record in the store, and follows the store for KV events.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from maru.config import MaruConfig
 from maru.errors import MaruError
 from maru.log import get_logger
 from maru.vllm import compat, keys
+from maru.vllm.asyncloads import async_loads, in_background
 from maru.vllm.events import chunks_held, request_blocks, store_events
 from maru.vllm.groups import (
     STATE,
@@ -31,6 +31,7 @@ from maru.vllm.guard import StoreGuard
 from maru.vllm.identity import warn_if_hash_seed_is_per_process
 from maru.vllm.metadata import NO_DATA_PATH, NULL_BLOCK, ChunkTransfer, MaruConnectorMetadata
 from maru.vllm.namespace import Namespace
+from maru.vllm.requests import RequestState
 from maru.vllm.roles import Handoff, Role, handoff, named
 from maru.vllm.stats import (
     HIT_TOKENS,
@@ -52,36 +53,6 @@ on a remote store."""
 GAUGES_REFRESH_S = 1.0
 """How often the store's own figures are read for the gauges (a remote store's cost a
 round trip)."""
-
-
-@dataclass
-class RequestState:
-    """What the scheduler half remembers about a request between calls."""
-
-    request: Any
-    keys: list[bytes]
-    stored: list[list[bool]]
-    """Per group, per chunk: not to save, as the store held it at the lookup (or, without
-    an answer, vLLM computed it earlier)."""
-    block_ids: list[list[int]] = field(default_factory=list)
-    """Per group: the request's block table (0 where vLLM holds its null block)."""
-    local_tokens: int = 0
-    planned_chunks: int = 0
-    """Chunks before this one are stored or have had their save planned."""
-    saving: bool = False
-    """A save was planned: the worker reports when it is done, and vLLM keeps the blocks
-    until then."""
-    loads: list[ChunkTransfer] = field(default_factory=list)
-    hit_chunks: int = 0
-    """The lookup's answer: chunks at whose end every group can be served."""
-    tail: Tail | None = None
-    """The rest of the answer: a tail object of blocks after those chunks."""
-    own_tail: Tail | None = None
-    """The request's own tail, to save once its prompt is computed (None: the store
-    holds it, or the prompt has none)."""
-    looked_up_at: float = field(default_factory=time.monotonic)
-    allocated: bool = False
-    """vLLM allocated the request's blocks: its lookup's outcome is counted."""
 
 
 class MaruScheduler:
@@ -122,6 +93,7 @@ class MaruScheduler:
         self.tails = serves_tails(self.groups, self.block_size, self.hash_block_size)
         """Hits and saves reach a prompt's last whole block (`maru.vllm.tails`)."""
         self.loads_async = loads_async(self.groups)
+        self.async_loads = async_loads(config)
         self.role = Role.of(vllm_config, config)
         self.saves_hold_blocks = vllm_config.device_config.device_type != "cpu"
         """A finished request's blocks wait for its saves' copies (on a device they run
@@ -216,6 +188,21 @@ class MaruScheduler:
             return None  # vLLM asks again next step
         return max(0, self._hit_tokens(state) - num_computed_tokens)
 
+    def load_async(self, req_id: str) -> bool:
+        """Does vLLM wait for this request's load (`get_finished`) instead of the step
+        doing it: with several groups, or where its hit loads in the background?"""
+        state = self.requests.get(req_id)
+        return self.loads_async or (state is not None and state.background)
+
+    def _background(self, state: RequestState) -> bool:
+        """Does the request's hit load in the background (`maru.vllm.asyncloads`)?"""
+        chunks = state.keys[state.local_tokens // self.chunk_tokens : state.hit_chunks]
+        objects = chunks + ([state.tail.key] if state.tail else [])
+        shares = [
+            share for key in objects for g in self.groups for share in self.shares(key, g.index)
+        ]
+        return in_background(self.async_loads, self.store.available(), shares)
+
     def _hit_tokens(self, state: RequestState) -> int:
         tail = state.tail.blocks * self.block_size if state.tail else 0
         prompt = state.request.num_prompt_tokens
@@ -271,6 +258,8 @@ class MaruScheduler:
             state.tail = own
         elif self.tails:
             state.tail = self._longest_tail(request, state.hit_chunks, num_computed_tokens, own)
+        if self._hit_tokens(state) > num_computed_tokens:
+            state.background = self._background(state)
         return state
 
     def _own_tail(self, request: Any) -> Tail | None:
@@ -372,7 +361,8 @@ class MaruScheduler:
         ):
             last.block_ids.append(block)
             return
-        state.loads.append(ChunkTransfer(key, [block], first, state.request.request_id, group))
+        request = state.request.request_id
+        state.loads.append(ChunkTransfer(key, [block], first, request, group, state.background))
 
     def build_connector_meta(self, scheduler_output: Any) -> MaruConnectorMetadata:
         """This step's loads (also of requests waiting for them) and the saves of every
@@ -458,10 +448,13 @@ class MaruScheduler:
             return None
         return block_ids
 
-    def loads_failed(self, req_ids: set[str]) -> None:
-        """The workers could not load these requests' KV: vLLM recomputes them; they are
-        not looked up again."""
+    def loads_failed(self, req_ids: set[str], block_ids: frozenset[int] = frozenset()) -> None:
+        """The workers could not load these requests' KV, or these blocks: vLLM recomputes
+        them; their requests are not looked up again (no loop of failing loads)."""
         self.failed_loads |= req_ids & self.requests.keys()
+        for req_id, state in self.requests.items() if block_ids else ():
+            if any(block_ids.intersection(table) for table in state.block_ids):
+                self.failed_loads.add(req_id)
 
     def saves_settled(self, req_ids: set[str]) -> None:
         """The workers reported these requests' saves done: vLLM frees their blocks (and

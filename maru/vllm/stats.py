@@ -52,6 +52,13 @@ MISS_TOKENS = Stat(
 LOADS = Stat(
     "loads", "counter", "Chunks loaded (per tensor-parallel rank).", "vllm:maru_chunks_loaded"
 )
+BACKGROUND_LOADS = Stat(
+    "background_loads",
+    "counter",
+    "Of loads, the chunks read off the engine's thread (from a slow tier) while vLLM ran "
+    "other requests (`async_loads`).",
+    "vllm:maru_chunks_loaded_in_background",
+)
 SAVES = Stat(
     "saves", "counter", "Chunks saved (per tensor-parallel rank).", "vllm:maru_chunks_saved"
 )
@@ -127,6 +134,7 @@ TABLE = (
     HIT_TOKENS,
     MISS_TOKENS,
     LOADS,
+    BACKGROUND_LOADS,
     LOADED_BYTES,
     LOAD_SECONDS,
     LOAD_OPEN_SECONDS,

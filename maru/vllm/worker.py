@@ -10,14 +10,13 @@ its data path, so a test can hand it one with a slowed-down or failing queue.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from maru.backends.base import Backend
+from maru.backends.base import ReadView
 from maru.config import MaruConfig
 from maru.layouts import LayoutAdapter, LayoutError, guess_num_blocks, recognise
 from maru.log import get_logger
@@ -26,19 +25,22 @@ from maru.transfer import (
     Blocks,
     ChunkCopy,
     DataPath,
-    Marker,
     UnsupportedDeviceError,
     host_tensor,
     pin,
     put_caches_on_huge_pages,
 )
 from maru.vllm.amx import permit_amx_tiles
+from maru.vllm.asyncloads import async_loads
+from maru.vllm.background import BackgroundLoads
 from maru.vllm.compat import pipeline_parallel_rank, tensor_parallel_rank
 from maru.vllm.groups import FULL, KVGroup, UnservedGroups, kv_groups, loads_async
 from maru.vllm.guard import StoreGuard
 from maru.vllm.keys import HEADER_BYTES, object_header, rank_key
 from maru.vllm.metadata import NO_DATA_PATH, ChunkTransfer, MaruHandshake
+from maru.vllm.pending import PendingLoad, PendingSave
 from maru.vllm.stats import (
+    BACKGROUND_LOADS,
     LOAD_ERRORS,
     LOAD_LATENCIES,
     LOAD_OPEN_SECONDS,
@@ -58,36 +60,6 @@ log = get_logger(__name__)
 
 DataPathFactory = Callable[[LayoutAdapter], DataPath]
 """Makes the data path for the layout a worker recognised."""
-
-
-@dataclass
-class PendingLoad:
-    """A chunk whose pages are being copied into its blocks."""
-
-    transfer: ChunkTransfer
-    copy: ChunkCopy
-    still_valid: Callable[[], bool]
-    """Were the bytes copied from the committed object? (Checked once copies are done.)"""
-    started: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class PendingSave:
-    """A chunk being saved: its reservation, filled layer by layer, committed once its
-    copies are done."""
-
-    key: bytes
-    req_id: str
-    group: int
-    copy: ChunkCopy
-    reservation: torch.Tensor
-    """The reservation's memory (the copies land in `copy.payload`, here or in staging)."""
-    staged: bool
-    stack: ExitStack
-    layers_done: set[str] = field(default_factory=set)
-    copied: Marker | None = None
-    """Set once every layer is queued: done when the copies are."""
-    started: float = field(default_factory=time.perf_counter)
 
 
 class MaruWorker:
@@ -126,7 +98,8 @@ class MaruWorker:
         self.loaded_requests: set[str] = set()
         self.failed_requests: set[str] = set()
         """Requests whose loads are done, and those of them that failed (asynchronous
-        loads: `loads_async`)."""
+        loads: `loads_async`, or `background`)."""
+        self.background = BackgroundLoads(async_loads(config))
         self.pending: dict[bytes, PendingSave] = {}
         self.in_flight: list[PendingSave] = []
         self.saving_requests: set[str] = set()
@@ -222,20 +195,59 @@ class MaruWorker:
         """Bytes of an object of `group` with `blocks` blocks."""
         return HEADER_BYTES + self.paths[group].payload_bytes(blocks)
 
-    def _host_direct(self, store: Backend) -> bool:
+    @property
+    def _host_direct(self) -> bool:
         """Can copies use the store's memory itself (else a staging buffer)?"""
-        return not self._on_device or (store.zero_copy and self.pinned)
+        return not self._on_device or self.pinned
 
     # loads
 
     def load(self, transfers: list[ChunkTransfer]) -> None:
-        """Start copying every planned chunk into its blocks (on the CPU: copy them)."""
+        """Start copying every planned chunk into its blocks (on the CPU: copy them), and
+        reading those of `background` loads (`maru.vllm.background`)."""
         with self.stats.timing(LOAD_SECONDS):
-            self._start_loads(transfers)
+            store = self.store.available() if self.paths else None
+            background = [t for t in transfers if t.background]
+            refused = self.background.start(store, background, self._share_key, self._bytes)
+            for transfer in refused:
+                self._load_failed(transfer)
+                self.loaded_requests.add(transfer.req_id)
+            self._start_loads([t for t in transfers if not t.background])
+
+    def _share_key(self, transfer: ChunkTransfer) -> bytes:
+        """This worker's object of the transfer's chunk."""
+        return rank_key(transfer.key, self.rank, transfer.group)
+
+    def _bytes(self, transfer: ChunkTransfer) -> int:
+        """Bytes of a whole object of the transfer's chunk (a tail's are fewer)."""
+        group = transfer.group
+        return self.object_bytes(group, self.groups[group].stored_blocks(self.chunk_tokens))
 
     def _start_loads(self, transfers: list[ChunkTransfer]) -> None:
         with self.stats.timing(LOAD_OPEN_SECONDS):
-            opened = self._open_all(transfers)
+            opened = self._open_all((t, self._view(t)) for t in transfers)
+        self._copy_opened(opened)
+        if self.loads_async:
+            self.loaded_requests.update(t.req_id for t in transfers)
+        if self.paths and not self._on_device:
+            self._finish_loads()
+
+    def _copy_arrived(self) -> None:
+        """Check and copy what background reads brought into their requests' blocks,
+        waiting for the copies; the requests are then done (a failed read failed)."""
+        arrived = self.background.take()
+        for request in arrived:
+            self.loaded_requests.add(request.req_id)
+            if request.store_failed:
+                self.store.failed(request.error)
+        if arrived:
+            with self.stats.timing(LOAD_SECONDS):
+                chunks = (c for r in arrived for c in zip(r.transfers, r.views, strict=True))
+                self._copy_opened(self._open_all(chunks))
+                self._finish_loads()
+
+    def _copy_opened(self, opened: dict[int, list[PendingLoad]]) -> None:
+        """Queue the copies of every opened chunk; one that cannot be issued failed."""
         for group, pendings in opened.items():
             failed = self.paths[group].load([p.copy for p in pendings])
             for index, pending in enumerate(pendings):
@@ -243,42 +255,42 @@ class MaruWorker:
                     self._load_failed(pending.transfer)
                 else:
                     self.loading.append(pending)
-        if self.loads_async:
-            self.loaded_requests.update(t.req_id for t in transfers)
-        if self.paths and not self._on_device:
-            self._finish_loads()
 
-    def _open_all(self, transfers: list[ChunkTransfer]) -> dict[int, list[PendingLoad]]:
-        """Every chunk that can load, by KV cache group; the others failed."""
+    def _open_all(
+        self, chunks: Iterable[tuple[ChunkTransfer, ReadView | None]]
+    ) -> dict[int, list[PendingLoad]]:
+        """Every chunk whose object was read and checks, by KV cache group; others failed."""
         opened: dict[int, list[PendingLoad]] = {}
-        for transfer in transfers:
-            pending = self._open(transfer) if self.paths else None
+        for transfer, view in chunks:
+            pending = self._open(transfer, view) if view is not None else None
             if pending is None:
                 self._load_failed(transfer)
             else:
                 opened.setdefault(transfer.group, []).append(pending)
         return opened
 
-    def _open(self, transfer: ChunkTransfer) -> PendingLoad | None:
-        """The chunk's object, checked, as host memory the copies can read; None if absent,
-        not to be trusted, or without the blocks the transfer asks for."""
-        store = self.store.available()
+    def _view(self, transfer: ChunkTransfer) -> ReadView | None:
+        """The chunk's object; None if absent or unavailable (no data path, no store)."""
+        store = self.store.available() if self.paths else None
         if store is None:
             return None
-        key = rank_key(transfer.key, self.rank, transfer.group)
         try:
-            view = store.view(key)
+            return store.view(self._share_key(transfer))
         except Exception as exc:
             self.store.failed(exc)
             return None
-        if view is None or not self._trusted(key, view.data):
+
+    def _open(self, transfer: ChunkTransfer, view: ReadView) -> PendingLoad | None:
+        """The chunk's object, checked, as host memory the copies can read; None if not to
+        be trusted, or without the blocks the transfer asks for."""
+        if not self._trusted(self._share_key(transfer), view.data):
             return None
         stored = self._stored_blocks(transfer.group, len(view.data))
         if stored is None or not 0 <= transfer.first_block <= stored - len(transfer.block_ids):
             return None
         payload = host_tensor(view.data[HEADER_BYTES:])
         blocks, first = Blocks(transfer.block_ids), transfer.first_block
-        if not self._host_direct(store):  # staged, and checked once there
+        if not self._host_direct:  # staged, and checked once there
             payload = self.paths[transfer.group].staging(payload.numel()).copy_(payload)
             staged = ChunkCopy(blocks, payload, stored, first)
             return PendingLoad(transfer, staged, lambda: True) if view.valid() else None
@@ -318,6 +330,7 @@ class MaruWorker:
         for pending in self.loading:
             if pending.still_valid():
                 self.stats.add(LOADS)
+                self.stats.add(BACKGROUND_LOADS, int(pending.transfer.background))
                 self.stats.add(LOADED_BYTES, HEADER_BYTES + pending.copy.payload.numel())
                 self.stats.observe(LOAD_LATENCIES, time.perf_counter() - pending.started)
             else:
@@ -340,6 +353,7 @@ class MaruWorker:
         """Requests whose asynchronous loads are done since the last call: those that
         loaded, and those that failed (vLLM recomputes them)."""
         self.finish_loads()
+        self._copy_arrived()
         failed = self.failed_requests
         loaded = self.loaded_requests - failed
         self.loaded_requests, self.failed_requests = set(), set()
@@ -389,7 +403,7 @@ class MaruWorker:
         reservation = torch.frombuffer(buffer, dtype=torch.int8)
         header = object_header(key, self.fingerprint, size - HEADER_BYTES)
         reservation[:HEADER_BYTES] = torch.frombuffer(bytearray(header), dtype=torch.int8)
-        staged = not self._host_direct(store)
+        staged = not self._host_direct
         pages = reservation[HEADER_BYTES:]
         if staged:
             pages = self.paths[transfer.group].staging(pages.numel())
@@ -478,7 +492,8 @@ class MaruWorker:
         return self.stats.take()
 
     def close(self) -> None:
-        """Commit what is being saved, then close the store."""
+        """Stop the background reads, commit what is being saved, then close the store."""
+        self.background.close()
         self.commit_copied(wait=True)
         log.info("maru: worker half (rank %d) since start-up: %s", self.rank, self.stats.lifetime)
         self.store.close()
