@@ -39,7 +39,7 @@ from maru.backends.base import MAX_KEY_BYTES
 from maru.backends.registry import backend_class
 from maru.cli._cpu_caches import last_level_cache_bytes
 from maru.cli.command import Result, add_config_option
-from maru.cli.link_baseline import link_for, link_lines
+from maru.cli.link_baseline import baseline_lines, link_for, link_lines
 from maru.cli.plots import bench_plot, png_destination, require_matplotlib
 from maru.cli.working_set import WorkingSet, working_set
 from maru.config import resolve_config
@@ -392,7 +392,12 @@ def format_report(report: dict[str, Any]) -> str:
         )
     lines += ["  " + WorkingSet(**r["working_set"]).describe(r["size"]) for r in report["sizes"]]
     if report["sizes"] and report["sizes"][0]["file_write_gbps"] is not None:
-        lines += _file_baseline_lines(report["sizes"])
+        lines += baseline_lines(
+            report["sizes"],
+            "plain files of the same size in the store's directory",
+            ("write", "file_write_gbps"),
+            ("read", "file_read_gbps"),
+        )
     if report["sizes"] and report["sizes"][0].get("link_send_gbps") is not None:
         lines += link_lines(report["sizes"])
     first = report["first_pass"]
@@ -409,22 +414,6 @@ def format_report(report: dict[str, Any]) -> str:
         f"4 KiB put {latency['put_4k_us']:.1f} us, get_into {latency['get_4k_us']:.1f} us"
     )
     return "\n".join(lines)
-
-
-def _file_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The disk store beside plain files of the same size on the same filesystem."""
-    lines = [
-        "beside plain files of the same size in the store's directory (same run), GB/s:",
-        f"{'size':>8} {'write':>8} {'put':>8} {'ratio':>6} {'read':>9} {'get_into':>9} "
-        f"{'ratio':>6}",
-    ]
-    for r in rows:
-        lines.append(
-            f"{format_size(r['size']):>8} {r['file_write_gbps']:8.2f} {r['put_gbps']:8.2f} "
-            f"{r['put_gbps'] / r['file_write_gbps']:6.2f} {r['file_read_gbps']:9.2f} "
-            f"{r['get_into_gbps']:9.2f} {r['get_into_gbps'] / r['file_read_gbps']:6.2f}"
-        )
-    return lines
 
 
 # --- the command -----------------------------------------------------------------

@@ -84,17 +84,31 @@ def link_for(store: Any, largest: int) -> LinkBaseline | None:
 
 def link_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The store beside plain socket transfers of the same bytes (same run)."""
+    return baseline_lines(
+        rows,
+        "plain socket transfers of the same bytes to a peer process",
+        ("send", "link_send_gbps"),
+        ("receive", "link_receive_gbps"),
+    )
+
+
+def baseline_lines(
+    rows: list[dict[str, Any]], baseline: str, write: tuple[str, str], read: tuple[str, str]
+) -> list[str]:
+    """The store's put and get_into beside a baseline's write and read of the same bytes
+    in the same run: `write` and `read` are each a column title and a row's field."""
+    (write_title, write_gbps), (read_title, read_gbps) = write, read
     lines = [
-        "beside plain socket transfers of the same bytes to a peer process (same run), GB/s:",
-        f"{'size':>8} {'send':>8} {'put':>8} {'ratio':>6} {'receive':>9} {'get_into':>9} "
-        f"{'ratio':>6}",
+        f"beside {baseline} (same run), GB/s:",
+        f"{'size':>8} {write_title:>8} {'put':>8} {'ratio':>6} {read_title:>9} "
+        f"{'get_into':>9} {'ratio':>6}",
     ]
     for r in rows:
-        send, receive = r["link_send_gbps"], r["link_receive_gbps"]
+        written, readback = r[write_gbps], r[read_gbps]
         lines.append(
-            f"{format_size(r['size']):>8} {send:8.2f} {r['put_gbps']:8.2f} "
-            f"{r['put_gbps'] / send:6.2f} {receive:9.2f} {r['get_into_gbps']:9.2f} "
-            f"{r['get_into_gbps'] / receive:6.2f}"
+            f"{format_size(r['size']):>8} {written:8.2f} {r['put_gbps']:8.2f} "
+            f"{r['put_gbps'] / written:6.2f} {readback:9.2f} {r['get_into_gbps']:9.2f} "
+            f"{r['get_into_gbps'] / readback:6.2f}"
         )
     return lines
 
