@@ -53,7 +53,6 @@ buffers once, so every backend treats bad input the same way.
 
 from __future__ import annotations
 
-import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -64,18 +63,13 @@ from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 import xxhash
 from pydantic import BaseModel
 
+from maru.backends.buffers import MAX_KEY_BYTES, Key, byte_view, normalize_key
 from maru.backends.node import FoundStore
 from maru.errors import (
     BackendError,
     BufferTooSmallError,
-    InvalidKeyError,
     UnsupportedOperationError,
 )
-
-MAX_KEY_BYTES = 512
-"""Longest key any backend accepts, in bytes (UTF-8 for str keys)."""
-
-Key = bytes | str
 
 Medium = Literal["host", "disk", "remote"]
 """Where a store's bytes live: this machine's memory, its local storage, or another machine."""
@@ -116,46 +110,6 @@ class StoreStats:
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for JSON and logs)."""
         return asdict(self)
-
-
-def normalize_key(key: Key) -> bytes:
-    """The key as bytes, or InvalidKeyError saying what is allowed."""
-    if isinstance(key, str):
-        key = key.encode("utf-8")
-    elif isinstance(key, (bytearray, memoryview)):
-        key = bytes(key)
-    elif not isinstance(key, bytes):
-        raise InvalidKeyError(f"key must be bytes or str, got {type(key).__name__}")
-    if not 0 < len(key) <= MAX_KEY_BYTES:
-        raise InvalidKeyError(f"key is {len(key)} bytes long; allowed: 1 to {MAX_KEY_BYTES} bytes")
-    return key
-
-
-def byte_view(buffer: Any, *, writable: bool = False) -> memoryview:
-    """A flat byte memoryview of bytes, bytearray, numpy arrays or CPU torch tensors."""
-    if type(buffer).__module__.startswith("torch"):
-        buffer = _tensor_as_numpy(buffer)
-    try:
-        view = memoryview(buffer)
-    except TypeError:
-        raise TypeError(
-            f"expected a buffer (bytes, bytearray, numpy array, CPU torch tensor), "
-            f"got {type(buffer).__name__}"
-        ) from None
-    if not view.contiguous:
-        raise ValueError("buffer must be contiguous")
-    if writable and view.readonly:
-        raise TypeError(f"buffer of type {type(buffer).__name__} is read-only")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def _tensor_as_numpy(tensor: Any) -> Any:
-    torch = sys.modules["torch"]
-    if tensor.device.type != "cpu":
-        raise TypeError(f"tensor must be on the CPU, it is on {tensor.device}")
-    if not tensor.is_contiguous():
-        raise ValueError("tensor must be contiguous")
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 class Hashing(Protocol):
