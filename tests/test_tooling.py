@@ -327,18 +327,20 @@ def test_vllms_command_line_starts_in_the_environment_make_builds() -> None:
 def test_a_redis_server_whose_port_was_taken_meanwhile_starts_on_another(
     tmp_path, monkeypatch
 ) -> None:
-    from tests import redis_server
+    from maru.cli import _redis_server
 
     with socket.create_server(("127.0.0.1", 0)) as squatter:
         taken = squatter.getsockname()[1]
         ports = iter([taken])
-        real_free_port = redis_server.free_port
+        real_free_port = _redis_server.free_port
         monkeypatch.setattr(
-            redis_server, "free_port", lambda **kw: next(ports, None) or real_free_port(**kw)
+            _redis_server, "free_port", lambda **kw: next(ports, None) or real_free_port(**kw)
         )
-        server = redis_server.RedisServer(tmp_path / "moved").start()
+        server = _redis_server.RedisServer(tmp_path / "moved").start()
         try:
             assert server.port != taken
-            assert redis_server.cli(server.port, "ping").strip() == "PONG"
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as conn:
+                conn.sendall(b"PING\r\n")
+                assert conn.recv(16).startswith(b"+PONG")
         finally:
             server.stop()
