@@ -51,14 +51,16 @@ RUNS = {"no loads": None, "background": "auto", "in step": "never"}
 """Each run's `async_loads` (None: no loading requests)."""
 
 
-class DelayProxy:
-    """A loopback TCP proxy that holds each reply from the server for `delay` seconds."""
+class LinkProxy:
+    """A loopback TCP proxy to the server on `port` that holds each reply for `delay`
+    seconds (a remote server's round trip) and, with a `rate`, moves at most that many
+    bytes per second each way (a slow link)."""
 
-    def __init__(self, port: int, delay: float) -> None:
-        self.target, self.delay = ("127.0.0.1", port), delay
+    def __init__(self, port: int, delay: float = 0.0, rate: float | None = None) -> None:
+        self.target, self.delay, self.rate = ("127.0.0.1", port), delay, rate
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, name="delay-proxy", daemon=True).start()
+        threading.Thread(target=self._accept, name="link-proxy", daemon=True).start()
 
     def _accept(self) -> None:
         while True:
@@ -67,10 +69,9 @@ class DelayProxy:
             for args in ((client, server, 0.0), (server, client, self.delay)):
                 threading.Thread(target=self._pump, args=args, daemon=True).start()
 
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket, delay: float) -> None:
-        while data := source.recv(1 << 20):
-            time.sleep(delay)
+    def _pump(self, source: socket.socket, sink: socket.socket, delay: float) -> None:
+        while data := source.recv(1 << 16 if self.rate else 1 << 20):
+            time.sleep(delay + (len(data) / self.rate if self.rate else 0.0))
             sink.sendall(data)
         sink.close()
 
@@ -98,6 +99,7 @@ def connector(port: int, prefix: str, mode: str) -> dict[str, Any]:
         "chunk_tokens": CHUNK,
         "redis": {"url": f"redis://127.0.0.1:{port}/0", "key_prefix": prefix},
         "async_loads": mode,
+        "slow_hits": "always",  # every hit loads: this measures loads in flight
     }
     return {
         "kv_connector": "MaruKVConnector",
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             run_engine(
                 model, loaders, max_tokens=1, kv_transfer_config=connector(port, prefix, "auto")
             )
-            proxy = DelayProxy(port, args.delay_ms / 1e3)
+            proxy = LinkProxy(port, args.delay_ms / 1e3)
             for name, mode in RUNS.items():
                 print(f"{name} ...", flush=True)
                 job = {

@@ -211,6 +211,7 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
                 set(getattr(connector_output, "failed_recving", ())),
                 frozenset(getattr(connector_output, "invalid_block_ids", None) or ()),
             )
+            self.scheduler_half.loads_finished(set(connector_output.finished_recving or ()))
             worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(worker_meta, MaruWorkerMeta):
                 self.scheduler_half.set_layout(set(worker_meta.layout_fingerprints))

@@ -16,6 +16,8 @@ from maru.vllm.metadata import ChunkTransfer, MaruConnectorMetadata
 from tests.conftest import call_with_deadline, unique_name
 from tests.test_connector_worker import LAYER_NAMES, kv_caches, run_step, same_blocks, worker
 
+LOAD_EVERY_HIT = {"slow_hits": "always"}
+"""These tests are about how a slow hit loads, not whether (`tests/test_load_policy.py`)."""
 GUARD_S = 30
 """How long a test waits for what must happen before calling it hung (never a speed
 requirement)."""
@@ -205,7 +207,7 @@ def test_a_hit_loads_asynchronously_where_its_store_is_slow(
     harness, monkeypatch, medium, mode, background
 ) -> None:
     monkeypatch.setattr(MockBackend, "medium", medium)
-    h = harness(settings={"async_loads": mode})
+    h = harness(settings={"async_loads": mode} | LOAD_EVERY_HIT)
     h.add("first", tokens(300))
     h.step()
     assert hit(h, "second", tokens(300)) == (288, background)
@@ -217,7 +219,7 @@ def test_a_tiered_hit_loads_asynchronously_only_where_its_first_tier_lacks_it(
 ) -> None:
     disk = {"path": str(tmp_path / "disk")}
     tiers = {"backend": "tiered", "tiered": {"tiers": ["mock", "disk"]}, "disk": disk}
-    h = harness(settings=tiers)
+    h = harness(settings=tiers | LOAD_EVERY_HIT)
     h.add("first", tokens(300))
     h.step()
     assert hit(h, "in memory", tokens(300)) == (288, False)
@@ -247,7 +249,7 @@ def report(h, loaded: set[str], invalid_block_ids: set[int] = frozenset()) -> No
 def test_a_remote_hit_waits_for_its_load_while_other_requests_run(harness, remote) -> None:
     from vllm.v1.request import RequestStatus
 
-    h = harness()
+    h = harness(settings=LOAD_EVERY_HIT)
     h.add("first", tokens(300))
     h.step()
     h.add("other", tokens(100, start=9000))
@@ -264,7 +266,7 @@ def test_a_remote_hit_waits_for_its_load_while_other_requests_run(harness, remot
 
 
 def test_a_failed_remote_load_is_recomputed_and_not_loaded_again(harness, remote) -> None:
-    h = harness()
+    h = harness(settings=LOAD_EVERY_HIT)
     h.add("first", tokens(300))
     h.step()
     h.add("second", tokens(300))

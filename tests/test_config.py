@@ -172,7 +172,7 @@ def test_unusable_files_are_config_errors_naming_the_file(tmp_path, name, body, 
             {"s3": {"url": "s3://x"}},
             "s3 = {'url': 's3://x'} (from argument): unknown key; "
             "allowed: backend, namespace, capacity, chunk_tokens, error_backoff, "
-            "producer_loads, consumer_wait, async_loads, async_load_timeout, "
+            "producer_loads, consumer_wait, async_loads, slow_hits, async_load_timeout, "
             "kv_cache_huge_pages, config_file, plugins and the sections of installed backends",
         ),
         (
@@ -366,9 +366,9 @@ def test_configs_from_every_entry_point_are_equal() -> None:
         (
             lambda: MaruConfig.model_validate({"bogus": 1}),
             "bogus = 1: unknown key; allowed: backend, namespace, capacity, chunk_tokens, "
-            "error_backoff, producer_loads, consumer_wait, async_loads, async_load_timeout, "
-            "kv_cache_huge_pages, config_file, plugins and the sections of installed backends "
-            "(mock, shm, cxl, disk, redis, tiered, dirstore)",
+            "error_backoff, producer_loads, consumer_wait, async_loads, slow_hits, "
+            "async_load_timeout, kv_cache_huge_pages, config_file, plugins and the sections "
+            "of installed backends (mock, shm, cxl, disk, redis, tiered, dirstore)",
         ),
         (
             lambda: MaruConfig.model_validate_json('{"mock": {"fail_rate": 2}}'),

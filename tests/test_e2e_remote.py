@@ -13,6 +13,7 @@ import pytest
 
 from maru.cli._engine import run_engine
 from tests.conftest import unique_name
+from tests.redis_server import SlowLink
 from tests.test_e2e_vllm import CHUNK, SHARED, maru_config
 
 pytestmark = pytest.mark.slow
@@ -59,3 +60,50 @@ def test_a_prefix_only_redis_holds_loads_in_the_background_and_gives_vllms_token
     assert same.external_cached_tokens == [SHARED, 0]
     assert same.extra["connector_totals"]["background_loads"] == 0, "from shm: within the step"
     assert same.token_ids == reference
+
+
+THROTTLED = 256 * 1024
+"""Bytes per second through the slowed link: a chunk of the demo model's KV (64 tokens,
+256 KiB) takes a second, where the engine computes it in about 10 ms."""
+
+
+@pytest.fixture(scope="module")
+def prefill_bound_model(tmp_path_factory):
+    """The demo's model: its prefill costs more than loopback Redis takes to deliver its
+    KV, as a real model's does (the tiny model computes 64 tokens about as fast as one
+    round trip reads their 64 KiB, so recomputing it is as good as loading)."""
+    from maru.cli._tiny_model import build_tiny_llama
+    from maru.cli.demo import DEMO_MODEL
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "demo-llama", **DEMO_MODEL)
+
+
+def test_a_remote_tier_slower_than_prefill_is_recomputed_and_a_fast_one_loaded(
+    prefill_bound_model, redis_server, pool_names
+) -> None:
+    """Each node first computes an unrelated prompt (the engine learns its prefill rate),
+    then meets the prefix only Redis holds: through a slowed link it is computed, since
+    loading it would take longer; over loopback it is loaded."""
+    hit = PROMPTS_B[0]
+    rng = np.random.default_rng(10)
+    cold_slow, cold_fast = (rng.integers(1, 500, SHARED + REST).tolist() for _ in range(2))
+    # the hit prompt computed cold, each node's own cold prompt, then the hit prompt on
+    # vLLM's own hit of the prefix (its last 20 tokens are less than a block: not cached)
+    model = prefill_bound_model
+    reference = run_engine(model, [hit, *PROMPTS_A, cold_slow, cold_fast, hit]).token_ids
+    hit_cold, hit_loaded = reference[0], reference[-1]
+    redis = {"url": redis_server.url, "key_prefix": unique_name()}
+    run_engine(model, PROMPTS_A, kv_transfer_config=node(pool_names(), redis))
+    link = SlowLink(redis_server.port, THROTTLED)
+    try:
+        slowed = node(pool_names(), redis | {"url": link.url})
+        slow = run_engine(model, [cold_slow, hit], kv_transfer_config=slowed)
+    finally:
+        link.close()
+    fast = run_engine(model, [cold_fast, hit], kv_transfer_config=node(pool_names(), redis))
+    assert slow.external_cached_tokens == [0, 0]
+    assert slow.extra["connector_totals"]["slow_hits_recomputed"] == SHARED
+    assert slow.token_ids == [reference[-3], hit_cold]
+    assert fast.external_cached_tokens == [0, SHARED]
+    assert fast.extra["connector_totals"]["slow_hits_recomputed"] == 0
+    assert fast.token_ids == [reference[-2], hit_loaded]

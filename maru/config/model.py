@@ -188,6 +188,13 @@ class MaruConfig(BaseModel):
         "auto where its objects are on a slow tier (disk, remote; a tiered store's lower "
         "tiers), always, or never (every load inside the engine's step)",
     )
+    slow_hits: Literal["auto", "when_faster", "always"] = Field(
+        "auto",
+        description="load a hit on a slow tier: when_faster (only where its load is "
+        "expected to end before vLLM would compute the same tokens; both rates are learned "
+        "as the engine runs), always, or auto (always for kv_role kv_consumer, which must "
+        "load what its producer computed; else when_faster)",
+    )
     async_load_timeout: float = Field(
         10.0,
         gt=0,

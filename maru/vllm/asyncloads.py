@@ -60,3 +60,13 @@ def reads_slowly(store: Backend, keys: Sequence[bytes]) -> bool:
         return True
     media = getattr(store, "media", None)
     return media is not None and any(medium in SLOW_MEDIA for medium in media(list(keys)))
+
+
+def first_slow(store: Backend, keys: Sequence[bytes]) -> bytes:
+    """The first of `keys` that a read would fetch from a slow tier (else the first)."""
+    media = getattr(store, "media", None)
+    if media is None:
+        return keys[0]
+    return next(
+        (k for k, m in zip(keys, media(list(keys)), strict=True) if m in SLOW_MEDIA), keys[0]
+    )

@@ -40,3 +40,5 @@ class RequestState:
     """vLLM allocated the request's blocks: its lookup's outcome is counted."""
     background: bool = False
     """Its hit loads in the background: vLLM waits for it (`maru.vllm.asyncloads`)."""
+    judged: bool = False
+    """Its hit on a slow tier has the policy's verdict (`maru.vllm.loadpolicy`)."""

@@ -9,17 +9,16 @@ the namespace's record in the store, and follows the store for KV events.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from maru.config import MaruConfig
 from maru.errors import MaruError
 from maru.log import get_logger
 from maru.vllm import compat, keys
-from maru.vllm.asyncloads import async_loads, in_background
-from maru.vllm.events import chunks_held, request_blocks, store_events
+from maru.vllm.asyncloads import async_loads, first_slow, in_background
+from maru.vllm.events import chunks_held, store_events
 from maru.vllm.groups import (
-    STATE,
-    KVGroup,
     UnservedGroups,
     check_chunk_tokens,
     hit_chunks,
@@ -29,15 +28,20 @@ from maru.vllm.groups import (
 )
 from maru.vllm.guard import StoreGuard
 from maru.vllm.identity import warn_if_hash_seed_is_per_process
+from maru.vllm.loadpolicy import LoadPolicy, Verdict, loads_always
 from maru.vllm.metadata import NO_DATA_PATH, NULL_BLOCK, ChunkTransfer, MaruConnectorMetadata
 from maru.vllm.namespace import Namespace
 from maru.vllm.requests import RequestState
 from maru.vllm.roles import Handoff, Role, handoff, named
+from maru.vllm.saveplan import SavePlanner
 from maru.vllm.stats import (
     HIT_TOKENS,
     LOOKUP_ERRORS,
     LOOKUPS,
     MISS_TOKENS,
+    PREFILL_RATE,
+    SLOW_HITS_RECOMPUTED,
+    SLOW_LOAD_RATE,
     MaruConnectorStats,
     Stat,
     store_gauges,
@@ -90,11 +94,14 @@ class MaruScheduler:
         self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         """Tokens per entry of `request.block_hashes`."""
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.saves = SavePlanner(self.groups, self.chunk_tokens, self.block_size, self.events)
         self.tails = serves_tails(self.groups, self.block_size, self.hash_block_size)
         """Hits and saves reach a prompt's last whole block (`maru.vllm.tails`)."""
         self.loads_async = loads_async(self.groups)
         self.async_loads = async_loads(config)
         self.role = Role.of(vllm_config, config)
+        self.policy = LoadPolicy(loads_always(config.slow_hits, self.role), self.chunk_tokens)
+        """Whether a hit on a slow tier loads or is recomputed (`maru.vllm.loadpolicy`)."""
         self.saves_hold_blocks = vllm_config.device_config.device_type != "cpu"
         """A finished request's blocks wait for its saves' copies (on a device they run
         beside the forward; on the CPU they are done within the step)."""
@@ -142,7 +149,8 @@ class MaruScheduler:
         if time.monotonic() - self._gauges_read_at >= GAUGES_REFRESH_S:
             self._gauges_read_at = time.monotonic()
             self._read_gauges()
-        taken.set_gauges(self._gauges)
+        rates = dict(zip((PREFILL_RATE, SLOW_LOAD_RATE), self.policy.gauges(), strict=True))
+        taken.set_gauges(self._gauges | {s: round(v) for s, v in rates.items() if v is not None})
         return taken
 
     def _read_gauges(self) -> None:
@@ -184,7 +192,7 @@ class MaruScheduler:
         if state is None or not self._answers(state, num_computed_tokens):
             state = self._look_up(request, num_computed_tokens)
             self.requests[request.request_id] = state
-        if self._awaits_producer(request, state):
+        if self._awaits_producer(request, state) or not self._judged(state):
             return None  # vLLM asks again next step
         return max(0, self._hit_tokens(state) - num_computed_tokens)
 
@@ -194,14 +202,32 @@ class MaruScheduler:
         state = self.requests.get(req_id)
         return self.loads_async or (state is not None and state.background)
 
-    def _background(self, state: RequestState) -> bool:
-        """Does the request's hit load in the background (`maru.vllm.asyncloads`)?"""
+    def _hit_objects(self, state: RequestState) -> list[bytes]:
+        """The objects the request's hit loads (beyond vLLM's own hit)."""
         chunks = state.keys[state.local_tokens // self.chunk_tokens : state.hit_chunks]
         objects = chunks + ([state.tail.key] if state.tail else [])
-        shares = [
-            share for key in objects for g in self.groups for share in self.shares(key, g.index)
-        ]
-        return in_background(self.async_loads, self.store.available(), shares)
+        return [key for o in objects for g in self.groups for key in self.shares(o, g.index)]
+
+    def _judged(self, state: RequestState) -> bool:
+        """Has a hit on a slow tier its verdict (`maru.vllm.loadpolicy`): loaded, or left
+        to vLLM to compute? False while a probe of the tier reads."""
+        if not state.background or state.judged:
+            return True
+        tokens = self._hit_tokens(state) - state.local_tokens
+        verdict = self.policy.verdict(tokens, len(self.groups), self._probe(state))
+        if verdict is Verdict.WAIT:
+            return False
+        if verdict is Verdict.RECOMPUTE:
+            self.stats.add(SLOW_HITS_RECOMPUTED, tokens)
+            state.hit_chunks = state.local_tokens // self.chunk_tokens
+            state.tail, state.background = None, False
+        state.judged = True
+        return True
+
+    def _probe(self, state: RequestState) -> Callable[[], bytes | None]:
+        """A read of one of the hit's objects on a slow tier (run off the engine's thread)."""
+        store, objects = self.store.available(), self._hit_objects(state)
+        return lambda: None if store is None else store.get(first_slow(store, objects))
 
     def _hit_tokens(self, state: RequestState) -> int:
         tail = state.tail.blocks * self.block_size if state.tail else 0
@@ -259,7 +285,8 @@ class MaruScheduler:
         elif self.tails:
             state.tail = self._longest_tail(request, state.hit_chunks, num_computed_tokens, own)
         if self._hit_tokens(state) > num_computed_tokens:
-            state.background = self._background(state)
+            objects = self._hit_objects(state)
+            state.background = in_background(self.async_loads, self.store.available(), objects)
         return state
 
     def _own_tail(self, request: Any) -> Tail | None:
@@ -336,6 +363,8 @@ class MaruScheduler:
         if num_external_tokens <= 0:
             return
         self.stats.add(HIT_TOKENS, num_external_tokens)
+        if state.background:
+            self.policy.load_planned(request.request_id, num_external_tokens, len(self.groups))
         hit = state.local_tokens + num_external_tokens
         for group in self.groups:
             table = state.block_ids[group.index]
@@ -374,11 +403,12 @@ class MaruScheduler:
             meta.loads.extend(state.loads)
             state.loads = []
         scheduled = scheduler_output.num_scheduled_tokens
+        self.policy.stepped(sum(scheduled.values()), scheduled.keys(), self.requests.keys())
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is not None:
                 state.block_ids = [list(ids) for ids in new.block_ids]
-                self._plan(state, new.num_computed_tokens + scheduled[new.req_id], meta)
+                self._plan_saves(state, new.num_computed_tokens + scheduled[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)
@@ -390,63 +420,12 @@ class MaruScheduler:
             elif new_block_ids:
                 for table, ids in zip(state.block_ids, new_block_ids, strict=True):
                     table.extend(ids)
-            self._plan(state, cached.num_computed_tokens[index] + scheduled[req_id], meta)
+            self._plan_saves(state, cached.num_computed_tokens[index] + scheduled[req_id], meta)
         return meta
 
-    def _plan(self, state: RequestState, computed: int, meta: MaruConnectorMetadata) -> None:
-        """Plan the save of every chunk that completes with `computed` tokens, per group:
-        what the group stores of it, if vLLM still holds all of it; and of the request's
-        own tail once its blocks are computed."""
-        if not self.role.saves:
-            return
-        complete = min(computed // self.chunk_tokens, len(state.keys))
-        per_chunk = self.blocks_per_chunk
-        for chunk in range(state.planned_chunks, complete):
-            for group in self.groups:
-                block_ids = self._saved_blocks(state, group, chunk, computed)
-                if block_ids is not None and not state.stored[group.index][chunk]:
-                    blocks = range(chunk * per_chunk, (chunk + 1) * per_chunk)
-                    self._add_save(state, state.keys[chunk], group.index, block_ids, blocks, meta)
-        state.planned_chunks = max(state.planned_chunks, complete)
-        tail = state.own_tail
-        positions = tail.block_range(per_chunk) if tail is not None else range(0)
-        if tail is not None and computed >= positions.stop * self.block_size:
-            state.own_tail = None
-            for group in self.groups:
-                block_ids = state.block_ids[group.index][positions.start : positions.stop]
-                if len(block_ids) == tail.blocks and NULL_BLOCK not in block_ids:
-                    self._add_save(state, tail.key, group.index, block_ids, positions, meta)
-
-    def _add_save(
-        self,
-        state: RequestState,
-        key: bytes,
-        group: int,
-        block_ids: list[int],
-        blocks: range,
-        meta: MaruConnectorMetadata,
-    ) -> None:
-        """Save `block_ids` of `group` as object `key`, which holds the request's `blocks`
-        (what its KV event names)."""
-        request = state.request
-        meta.saves.append(ChunkTransfer(key, block_ids, req_id=request.request_id, group=group))
-        state.saving = True
-        if self.events is not None and group == 0:
-            self.events.planned(key, request_blocks(request, blocks, self.block_size))
-
-    def _saved_blocks(
-        self, state: RequestState, group: KVGroup, chunk: int, computed: int
-    ) -> list[int] | None:
-        """The blocks of `group` that chunk `chunk`'s object holds; None where vLLM no
-        longer holds them all (a state is only this step's, when it ends the chunk)."""
-        end = (chunk + 1) * self.chunk_tokens
-        if group.kind == STATE and computed != end:
-            return None
-        positions = group.stored_range(chunk, self.chunk_tokens)
-        block_ids = state.block_ids[group.index][positions.start : positions.stop]
-        if len(block_ids) != len(positions) or NULL_BLOCK in block_ids:
-            return None
-        return block_ids
+    def _plan_saves(self, state: RequestState, computed: int, meta: MaruConnectorMetadata) -> None:
+        if self.role.saves:
+            self.saves.plan(state, computed, meta)
 
     def loads_failed(self, req_ids: set[str], block_ids: frozenset[int] = frozenset()) -> None:
         """The workers could not load these requests' KV, or these blocks: vLLM recomputes
@@ -455,6 +434,12 @@ class MaruScheduler:
         for req_id, state in self.requests.items() if block_ids else ():
             if any(block_ids.intersection(table) for table in state.block_ids):
                 self.failed_loads.add(req_id)
+
+    def loads_finished(self, req_ids: set[str]) -> None:
+        """The workers reported these requests' background loads ended (after
+        `loads_failed` named those that failed)."""
+        for req_id in req_ids:
+            self.policy.load_ended(req_id, loaded=req_id not in self.failed_loads)
 
     def saves_settled(self, req_ids: set[str]) -> None:
         """The workers reported these requests' saves done: vLLM frees their blocks (and
@@ -468,6 +453,7 @@ class MaruScheduler:
         its saves done (`get_finished`), and a producer's `kv_transfer_params` naming the
         objects it stored (a consumer given them waits for them)."""
         state = self.requests.pop(request.request_id, None)
+        self.policy.finished(request.request_id)
         self.failed_loads.discard(request.request_id)
         self._waiting_since.pop(request.request_id, None)
         saving = state is not None and state.saving
@@ -489,4 +475,5 @@ class MaruScheduler:
 
     def close(self) -> None:
         log.info("maru: scheduler half since start-up: %s", self.stats.lifetime)
+        self.policy.close()
         self.store.close()

@@ -59,6 +59,13 @@ BACKGROUND_LOADS = Stat(
     "other requests (`async_loads`).",
     "vllm:maru_chunks_loaded_in_background",
 )
+SLOW_HITS_RECOMPUTED = Stat(
+    "slow_hits_recomputed",
+    "counter",
+    "Prompt tokens a slow tier held that were recomputed, because loading them was "
+    "expected to take longer than computing them (`slow_hits`).",
+    "vllm:maru_slow_hit_tokens_recomputed",
+)
 SAVES = Stat(
     "saves", "counter", "Chunks saved (per tensor-parallel rank).", "vllm:maru_chunks_saved"
 )
@@ -127,6 +134,19 @@ STORE_EVICTIONS = Stat(
     "Objects the store has evicted since it was created.",
     "vllm:maru_store_evictions",
 )
+PREFILL_RATE = Stat(
+    "prefill_tokens_per_s",
+    "gauge",
+    "The engine's prefill rate as the connector learned it (tokens per second).",
+    "vllm:maru_prefill_tokens_per_second",
+)
+SLOW_LOAD_RATE = Stat(
+    "slow_load_tokens_per_s",
+    "gauge",
+    "The rate at which hits load from slow tiers, as the connector learned it (tokens "
+    "per second and KV cache group).",
+    "vllm:maru_slow_load_tokens_per_second",
+)
 
 TABLE = (
     LOOKUPS,
@@ -135,6 +155,7 @@ TABLE = (
     MISS_TOKENS,
     LOADS,
     BACKGROUND_LOADS,
+    SLOW_HITS_RECOMPUTED,
     LOADED_BYTES,
     LOAD_SECONDS,
     LOAD_OPEN_SECONDS,
@@ -151,6 +172,8 @@ TABLE = (
     STORE_USED,
     STORE_OBJECTS,
     STORE_EVICTIONS,
+    PREFILL_RATE,
+    SLOW_LOAD_RATE,
 )
 """Every statistic, in the order logs show them."""
 
