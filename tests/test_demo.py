@@ -83,3 +83,42 @@ def test_a_prompt_shorter_than_a_chunk_is_a_usage_error(pool_config, capsys) -> 
         "prompt_tokens = 100: too short to share a chunk; allowed: at least chunk_tokens "
         "+ 1 = 257" in capsys.readouterr().err
     )
+
+
+@pytest.mark.slow
+def test_the_remote_demo_runs_two_nodes_sharing_only_a_private_redis(fresh_home, capsys) -> None:
+    pools_before = set(SHM_DIR.glob("maru-*"))
+    code = main(["demo", "--remote", "redis", "--prompt-tokens", "600"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "sharing Redis at redis://127.0.0.1:" in err, "a private server on loopback"
+    assert "Redis holds A's 3 objects" in err, "the prompt's two chunks and A's record"
+    assert "tokens engine B loaded from maru: 512 (from a slow tier, in the background)" in out
+    assert "outputs identical (engine B's maru hit vs engine A's own cache hit): True" in out
+    left = set(SHM_DIR.glob("maru-*")) - pools_before
+    assert not left, "neither node's pool is left in shared memory"
+
+
+@pytest.mark.slow
+def test_the_remote_demo_uses_the_configured_redis_and_removes_what_it_stored(
+    fresh_home, redis_server, monkeypatch, capsys
+) -> None:
+    import redis
+
+    monkeypatch.setenv("MARU_REDIS__URL", redis_server.url)
+    code = main(["demo", "--remote", "redis", "--prompt-tokens", "600"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert f"sharing Redis at {redis_server.url}" in err
+    assert "outputs identical (engine B's maru hit vs engine A's own cache hit): True" in out
+    assert redis.Redis.from_url(redis_server.url).keys("maru-demo-*") == []
+
+
+def test_the_remote_demo_without_redis_server_says_how_to_install_it(
+    fresh_home, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert main(["demo", "--remote", "redis"]) == 2
+    err = capsys.readouterr().err
+    assert "remote = 'redis': redis-server is missing" in err
+    assert "apt-get install -y redis-server" in err

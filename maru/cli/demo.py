@@ -25,6 +25,7 @@ import numpy as np
 
 import maru
 from maru.backends.registry import backend_class
+from maru.cli import demo_remote
 from maru.cli.command import EXIT_FAILURE, EXIT_OK, Result, add_config_option
 from maru.config import resolve_config
 from maru.errors import ConfigError
@@ -104,8 +105,10 @@ def run_demo(
     vocab: int = DEMO_MODEL["vocab"],
     progress: Callable[[str], None] = lambda line: None,
     after_engine_a: Callable[[], None] = lambda: None,
+    node_b: maru.MaruConfig | None = None,
 ) -> dict[str, Any]:
-    """Engine A (cold, then its own cache) and engine B (maru) on one random prompt.
+    """Engine A (cold, then its own cache) and engine B (maru) on one random prompt: A's
+    store is `config`, B's is `node_b` (another node's) or the same.
 
     `after_engine_a` runs between the two engines (tests corrupt the store there)."""
     from maru.cli._engine import start_engine
@@ -119,7 +122,6 @@ def run_demo(
     rng = np.random.default_rng()
     prompt = rng.integers(1, vocab, length).tolist()
     options = {
-        "kv_transfer_config": connector_config(config),
         "max_tokens": 16,
         "held": True,
         "log_path": model_cache().parent / "demo-engines.log",
@@ -129,8 +131,18 @@ def run_demo(
         f"{options['log_path']}) ..."
     )
     engines = (
-        start_engine(model, [warm_up_prompt(rng, vocab), prompt, prompt], **options),
-        start_engine(model, [warm_up_prompt(rng, vocab), prompt], **options),
+        start_engine(
+            model,
+            [warm_up_prompt(rng, vocab), prompt, prompt],
+            kv_transfer_config=connector_config(config),
+            **options,
+        ),
+        start_engine(
+            model,
+            [warm_up_prompt(rng, vocab), prompt],
+            kv_transfer_config=connector_config(node_b or config),
+            **options,
+        ),
     )
     try:
         for engine in engines:
@@ -157,6 +169,7 @@ def run_demo(
         "ttft_hit_s": engine_b.ttft_s[1],
         "ttft_warm_up_s": [engine_a.ttft_s[0], engine_b.ttft_s[0]],
         "tokens_loaded": loaded,
+        "loaded_in_background": engine_b.extra["connector_totals"]["background_loads"] > 0,
         "own_hit_tokens": own_hit,
         "identical": loaded == own_hit and engine_b.token_ids[1] == engine_a.token_ids[2],
         "stats": stats,
@@ -175,7 +188,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"({report['own_hit_tokens']} tokens cached)",
             f"engine B (maru hit)           time to first token {hit * 1e3:8.1f} ms "
             f"({cold / hit:.1f}x faster than cold)",
-            f"tokens engine B loaded from maru: {report['tokens_loaded']}",
+            f"tokens engine B loaded from maru: {report['tokens_loaded']}"
+            + (" (from a slow tier, in the background)" if report["loaded_in_background"] else ""),
             f"each engine's first request (before these, {WARM_UP_TOKENS} tokens of its own: "
             f"one-time costs): A {warm_a * 1e3:.1f} ms, B {warm_b * 1e3:.1f} ms",
             f"outputs identical (engine B's maru hit vs engine A's own cache hit): "
@@ -188,18 +202,44 @@ def format_report(report: dict[str, Any]) -> str:
 def cmd_demo(args: argparse.Namespace) -> Result:
     """Two vLLM engines in two processes share a long prompt's KV through maru."""
     resolved = resolve_config(args.config)
+    if args.remote:
+        return remote_demo(resolved.config, args.prompt_tokens)
     configured = bool(resolved.sources)
     config = resolved.config if configured else private_pool(resolved.config)
     try:
-        report = run_demo(
-            config,
-            prompt_tokens=args.prompt_tokens,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-        )
+        report = run_demo(config, prompt_tokens=args.prompt_tokens, progress=say)
     finally:
         if not configured:
             with maru.open_store(config) as store:
                 store.destroy()
+    return result_of(report)
+
+
+def remote_demo(config: maru.MaruConfig, prompt_tokens: int) -> Result:
+    """Engines A and B as two nodes, each with its own pool, sharing a Redis server."""
+    with demo_remote.redis_url(config) as url:
+        say(f"engines A and B are two nodes: a shm pool each, sharing Redis at {url}")
+        nodes = tuple(
+            demo_remote.node(config, name, url, DEMO_POOL_CAPACITY) for name in ("a", "b")
+        )
+        try:
+            report = run_demo(
+                nodes[0],
+                prompt_tokens=prompt_tokens,
+                progress=say,
+                after_engine_a=lambda: demo_remote.wait_until_copied(nodes[0], say),
+                node_b=nodes[1],
+            )
+        finally:
+            demo_remote.clean_up(nodes)
+    return result_of(report)
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def result_of(report: dict[str, Any]) -> Result:
     return Result(report, format_report(report), EXIT_OK if report["identical"] else EXIT_FAILURE)
 
 
@@ -214,5 +254,11 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
         metavar="N",
         help="length of the shared prompt, rounded down to whole chunks plus "
         "one token (default 2049)",
+    )
+    demo.add_argument(
+        "--remote",
+        choices=demo_remote.REMOTES,
+        help="run A and B as two nodes, each with a shm pool of its own, sharing only this "
+        "remote store (the configured one, else a private server on loopback)",
     )
     demo.set_defaults(run=cmd_demo)
