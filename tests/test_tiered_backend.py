@@ -426,3 +426,115 @@ def test_copies_still_queued_when_close_wait_runs_out_are_dropped_and_no_thread_
     assert (counts["queued"], counts["written"], counts["dropped"]) == (7, 1, 6)
     with reopened_disk(tmp_path) as reopened:
         assert reopened.contains([f"k{i}" for i in range(6)]) == [True] + [False] * 5
+
+
+def test_a_batched_read_asks_each_tier_once_for_what_the_tiers_above_lack(
+    tiered, monkeypatch
+) -> None:
+    store = tiered()
+    shm, redis = store.tiers
+    shm.put(b"top", payload("top", 300))
+    redis.put(b"below", payload("below", 5000))
+    asked: list[list[bytes]] = []
+    batched = redis.get_many_into
+
+    def recorded(keys, outs):
+        asked.append(list(keys))
+        return batched(keys, outs)
+
+    monkeypatch.setattr(redis, "get_many_into", recorded)
+    monkeypatch.setattr(redis, "get_into", lambda *a: pytest.fail("read key by key"))
+    outs = [bytearray(8000) for _ in range(3)]
+    assert store.get_many_into([b"top", b"below", b"nowhere"], outs) == [300, 5000, None]
+    assert asked == [[b"below", b"nowhere"]], "one batch, without what the pool held"
+    assert bytes(outs[1][:5000]) == payload("below", 5000)
+    assert shm.get(b"below") == payload("below", 5000), "promoted into the pool"
+    assert (store.stats().hits, store.stats().misses) == (2, 1)
+
+
+def test_a_batched_read_with_a_failing_lower_tier_is_a_miss_there(tiered, monkeypatch) -> None:
+    store = tiered()
+    shm, redis = store.tiers
+    shm.put(b"top", b"x")
+    monkeypatch.setattr(redis, "get_many_into", failing("down"))
+    assert store.get_many_into([b"top", b"below"], [bytearray(8), bytearray(8)]) == [1, None]
+    monkeypatch.setattr(shm, "get_many_into", failing("down"))
+    with pytest.raises(maru.BackendError, match="every tier failed to read"):
+        store.get_many_into([b"top"], [bytearray(8)])
+
+
+def test_a_batched_put_lands_in_the_first_tier_and_is_copied_below(tiered) -> None:
+    store = tiered()
+    assert store.put_many([(b"a", b"1"), (b"b", b"22"), (b"a", b"3")]) == [True, True, False]
+    assert store.flush(10)
+    shm, redis = store.tiers
+    assert [shm.get(b"a"), shm.get(b"b")] == [b"1", b"22"]
+    assert [redis.get(b"a"), redis.get(b"b")] == [b"1", b"22"]
+
+
+def failing(message: str):
+    def fail(*args, **kwargs):
+        raise maru.BackendError(message)
+
+    return fail
+
+
+def test_a_lower_tier_whose_credentials_are_refused_at_open_is_left_out(
+    open_stores, tmp_path, caplog
+) -> None:
+    server = RedisServer(tmp_path / "auth", "--requirepass", "right").start()
+    try:
+        url = f"redis://:wrong@127.0.0.1:{server.port}/0"
+        pool = unique_name("tier")
+        store = open_stores(
+            backend="tiered",
+            tiered={"tiers": ["shm", "redis"]},
+            shm={"name": pool},
+            redis={"url": url},
+        )
+        assert [tier.name for tier in store.tiers] == ["shm"]
+        assert store.put(b"k", b"local") and store.get(b"k") == b"local"
+        refused = [r for r in caplog.records if "turned off" in r.getMessage()]
+        assert len(refused) == 1 and "redis" in refused[0].getMessage()
+        shm_path(pool).unlink(missing_ok=True)
+    finally:
+        server.stop()
+
+
+def test_a_lower_tier_that_refuses_maru_later_is_turned_off_and_the_pool_serves_on(
+    tiered, monkeypatch, caplog
+) -> None:
+    store = tiered()
+    redis = store.tiers[1]
+    calls: list[str] = []
+
+    def refusing(name: str):
+        def refuse(*args, **kwargs):
+            calls.append(name)
+            raise maru.ConfigError("redis: WRONGPASS invalid username-password pair")
+
+        return refuse
+
+    for name in ("contains", "put", "reserve", "get_many_into"):
+        monkeypatch.setattr(redis, name, refusing(name))
+    assert store.put(b"a", b"1")
+    assert store.flush(10)
+    assert store.contains([b"a", b"b"]) == [True, False]
+    assert store.get_many_into([b"a", b"b"], [bytearray(4), bytearray(4)]) == [1, None]
+    assert store.put(b"c", b"3") and store.flush(10)
+    assert len(calls) == 1, f"asked once, then left alone: {calls}"
+    refused = [r for r in caplog.records if "turned off" in r.getMessage()]
+    assert len(refused) == 1
+    assert store.tiers[1].name == "redis" and store.copiers[1].counts["failed"] == 2
+
+
+def test_a_lower_tier_that_is_down_is_logged_now_and_then_not_for_every_copy(
+    shm_disk, monkeypatch, caplog
+) -> None:
+    store = shm_disk(write_queue=0)  # copies in the caller: counted at once
+    monkeypatch.setattr(store.tiers[1], "reserve", failing("disk gone"))
+    for index in range(150):
+        assert store.put(f"k{index}".encode(), b"x")
+    assert store.copiers[1].counts["failed"] == 150
+    logged = [r for r in caplog.records if "failed to store a copy" in r.getMessage()]
+    assert len(logged) == 2, "the first failure and the 100th"

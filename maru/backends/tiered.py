@@ -9,7 +9,10 @@ tiers above (into the first in the background where it can hand over a private
 copy). `contains` asks a lower tier only about the keys the tiers above lack, one
 batch per tier. A tier that fails counts as a miss for that call, so a failing lower
 tier never breaks the tiers above it; only when every tier fails is the call a
-`BackendError`. A tier that cannot do an operation at all
+`BackendError`. A lower tier whose settings are refused (a `ConfigError`: credentials a
+server refuses, a TLS file that is missing), at open or later, is turned off with one
+error naming it, and the store goes on with the tiers above; the first tier's are the
+store's own. A tier that cannot do an operation at all
 (`UnsupportedOperationError`, e.g. listing keys) is left out of it; only when no tier
 can is the call unsupported. The store's bytes live where its first tier's do
 (`medium`, `zero_copy`, `host_memory`). Closing the store writes the queued copies for
@@ -32,7 +35,7 @@ from maru.backends._tiered.copier import Copier
 from maru.backends.base import MEDIA, Backend, Key, Medium, ReadView, StoreStats
 from maru.backends.registry import backend_class
 from maru.config import Options
-from maru.errors import BackendError, UnsupportedOperationError
+from maru.errors import BackendError, ConfigError, UnsupportedOperationError
 from maru.hookspecs import hookimpl
 from maru.log import get_logger
 
@@ -87,16 +90,20 @@ class TieredBackend(Backend):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.tiers: list[Backend] = []
+        self._refused: set[int] = set()
+        """Positions of the tiers turned off because their settings were refused."""
         try:
-            for tier in self.options.tiers:
-                self.tiers.append(backend_class(tier)(config))
+            for position, name in enumerate(self.options.tiers):
+                self._open_tier(position, name, config)
         except BaseException:
             self._close()
             raise
         self._lock = threading.Lock()
         self._hits = self._misses = 0
         top = self.tiers[0]
-        self.copiers = [Copier(top, tier, self.options.write_queue) for tier in self.tiers]
+        self.copiers = [
+            Copier(top, tier, self.options.write_queue, refused=self._refuse) for tier in self.tiers
+        ]
         """One per tier: the copies written into it in the background."""
         self.medium = top.medium
         self.zero_copy = top.zero_copy
@@ -106,18 +113,40 @@ class TieredBackend(Backend):
     def describe(cls, options: Any) -> str:
         return " in front of ".join(options.tiers)
 
-    @staticmethod
+    def _open_tier(self, position: int, name: str, config: Any) -> None:
+        """Open a tier; a lower one whose settings are refused is left out (`_refuse`)."""
+        try:
+            self.tiers.append(backend_class(name)(config))
+        except ConfigError as exc:
+            if position == 0:
+                raise
+            log.error("maru tier %s turned off, its settings were refused: %s", name, exc)
+
+    def _refuse(self, tier: Backend, exc: ConfigError) -> None:
+        """Turn off a lower tier whose settings were refused (once, with one error)."""
+        if tier is self.tiers[0]:
+            raise exc
+        position = self.tiers.index(tier)
+        if position not in self._refused:
+            self._refused.add(position)
+            log.error("maru tier %s turned off, its settings were refused: %s", tier.name, exc)
+
     def _attempt(
-        tier: Backend, call: Callable[[Backend], Any], what: str, optional: bool = False
+        self, tier: Backend, call: Callable[[Backend], Any], what: str, optional: bool = False
     ) -> Any:
         """`call(tier)`, or FAILED if the tier fails: for this call, a miss (logged). A
         tier that cannot do an `optional` operation at all gives UNSUPPORTED."""
+        if self.tiers.index(tier) in self._refused:
+            return FAILED
         try:
             return call(tier)
         except UnsupportedOperationError:
             if optional:
                 return UNSUPPORTED
             raise
+        except ConfigError as exc:
+            self._refuse(tier, exc)
+            return FAILED
         except BackendError as exc:
             log.warning("maru tier %s failed to %s, treated as a miss: %s", tier.name, what, exc)
             return FAILED
@@ -131,7 +160,7 @@ class TieredBackend(Backend):
         costs no trip to a lower tier (the vLLM connector reads slow tiers in the
         background)."""
         held = self._attempt(self.tiers[0], lambda t: t.contains(keys), "look up")
-        below = max((tier.medium for tier in self.tiers[1:]), key=MEDIA.index)
+        below = max((tier.medium for tier in self.tiers), key=MEDIA.index)
         if held is FAILED:
             return [below] * len(keys)
         return [self.medium if present else below for present in held]
@@ -252,6 +281,42 @@ class TieredBackend(Backend):
         if index > 0:
             self._promote(key, out[:size], index)
         return size
+
+    def _get_many_into(self, keys: list[bytes], outs: list[memoryview]) -> list[int | None]:
+        """One batched read per tier, of the keys the tiers above lacked (one round trip
+        per Redis node for a lower Redis tier); hits below are promoted as by `get_into`."""
+        sizes: list[int | None] = [None] * len(keys)
+        missing, failures = list(range(len(keys))), 0
+        for index, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            asked = [keys[i] for i in missing], [outs[i] for i in missing]
+            got = self._attempt(tier, lambda t, asked=asked: t.get_many_into(*asked), "read")
+            if got is FAILED:
+                failures += 1
+                continue
+            for position, size in zip(missing, got, strict=True):
+                sizes[position] = size
+                if size is not None and index > 0:
+                    self._promote(keys[position], outs[position][:size], index)
+            missing = [position for position in missing if sizes[position] is None]
+        if failures == len(self.tiers):
+            raise BackendError("every tier failed to read")
+        with self._lock:
+            self._hits += len(keys) - len(missing)
+            self._misses += len(missing)
+        return sizes
+
+    def _put_many(self, items: list[tuple[bytes, memoryview]]) -> list[bool]:
+        """One batched put into the first tier, copies below in the background; if the
+        first tier fails, each item as `put` (the first tier below that answers)."""
+        stored = self._attempt(self.tiers[0], lambda t: t.put_many(items), "store")
+        if stored is FAILED:
+            return [self._put(key, data) for key, data in items]
+        for (key, _), taken in zip(items, stored, strict=True):
+            if taken:
+                self._copy_below(key)
+        return stored
 
     def _view(self, key: bytes) -> ReadView | None:
         """The first tier's view where it has the object; a private copy from below is

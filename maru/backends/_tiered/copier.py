@@ -24,10 +24,11 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from maru.backends.base import Backend
-from maru.errors import BackendError
+from maru.errors import BackendError, ConfigError
 from maru.log import get_logger
 
 log = get_logger(__name__)
@@ -49,8 +50,17 @@ class Copier:
     """Copies into `target` of objects of `source` (the first tier); see the module
     docstring. `depth` 0 copies in the caller instead."""
 
-    def __init__(self, source: Backend, target: Backend, depth: int) -> None:
+    def __init__(
+        self,
+        source: Backend,
+        target: Backend,
+        depth: int,
+        refused: Callable[[Backend, ConfigError], None] = lambda tier, exc: None,
+    ) -> None:
         self.source, self.target = source, target
+        self._refused = refused
+        """Told once the tier refuses maru's settings; no copy is tried after that."""
+        self.off = False
         self.counts: Counter[str] = Counter(dict.fromkeys(COUNTS, 0))
         self._lock = threading.Lock()
         self._queue: queue.Queue[Any] | None = queue.Queue(depth) if depth else None
@@ -69,7 +79,7 @@ class Copier:
             self._copy(key, data)
         elif not self._enqueue((key, data)):
             self._count("dropped")
-            if self.counts["dropped"] in (1, 100) or self.counts["dropped"] % 10_000 == 0:
+            if worth_logging(self.counts["dropped"]):
                 log.warning(
                     "maru tier %s cannot keep up: %d copies dropped so far",
                     self.target.name,
@@ -150,15 +160,30 @@ class Copier:
                 self._queue.task_done()
 
     def _copy(self, key: bytes, data: Any) -> None:
-        """Write one copy; a failure is counted and logged, never raised."""
+        """Write one copy; a failure is counted and logged (now and then: a tier that is
+        down fails every copy), never raised."""
+        if self.off:
+            self._count("failed")
+            return
         try:
             self._count(self._write(key, data))
+        except ConfigError as exc:
+            self._count("failed")
+            self.off = True
+            self._refused(self.target, exc)
         except BackendError as exc:
             self._count("failed")
-            log.warning("maru tier %s failed to store a copy: %s", self.target.name, exc)
+            if worth_logging(self.counts["failed"]):
+                log.warning(
+                    "maru tier %s failed to store a copy (%d failed so far): %s",
+                    self.target.name,
+                    self.counts["failed"],
+                    exc,
+                )
         except Exception:
             self._count("failed")
-            log.exception("maru tier %s: copy failed", self.target.name)
+            if worth_logging(self.counts["failed"]):
+                log.exception("maru tier %s: copy failed", self.target.name)
 
     def _write(self, key: bytes, data: Any) -> str:
         """Copy one object; what to count."""
@@ -181,3 +206,8 @@ class Copier:
     def _count(self, what: str) -> None:
         with self._lock:
             self.counts[what] += 1
+
+
+def worth_logging(count: int) -> bool:
+    """Is the `count`th failure of a kind logged: the 1st, the 100th, every 10,000th."""
+    return count in (1, 100) or count % 10_000 == 0
