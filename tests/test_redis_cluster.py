@@ -89,15 +89,26 @@ def test_a_node_that_failed_is_not_asked_again_for_node_backoff(
     assert len(asked) == 2 and not any(present)
 
 
-def test_every_key_of_a_dead_node_alone_is_an_error(open_stores, cluster) -> None:
-    """A batch whose every node failed raises, so the connector backs off."""
+def test_a_dead_nodes_key_alone_is_a_miss_while_other_primaries_answer(
+    open_stores, cluster
+) -> None:
+    """A single key's get or put on a dead node is a miss, not an error that would make
+    the connector skip the whole store; only when every primary fails is it an error,
+    so the connector backs off."""
     import maru
 
-    store = cluster_store(open_stores, cluster.url)
+    store = cluster_store(open_stores, cluster.url, node_backoff=600)
     dead = cluster.primary_of(store._key(KEYS[0]))
+    others = [key for key in KEYS if cluster.primary_of(store._key(key)) is not dead]
     dead.kill()
-    with pytest.raises(maru.BackendError, match=r"Connection|refused"):
-        store.get(KEYS[0])
+    assert store.get(KEYS[0]) is None
+    assert store.put(KEYS[0], b"v") is False
+    assert store.put(others[0], b"v") and store.get(others[0]) == b"v"
+    for node in cluster.nodes:
+        node.kill()
+    with pytest.raises(maru.BackendError, match=r"Connection|refused|not asked"):
+        for key in KEYS:  # each primary fails once; then no other is presumed up
+            store.get(key)
 
 
 def test_the_layout_is_learnt_from_any_seed_node(open_stores, cluster) -> None:

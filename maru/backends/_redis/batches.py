@@ -1,5 +1,8 @@
 """One batch, split by node: each node's part runs on its own (in parallel in a cluster)
-by its own deadline, so that a node that fails or hangs costs only its own keys."""
+by its own deadline, so that a node that fails or hangs costs only its own keys. That
+holds for a batch of one node's keys too (a single key's get or put): while another
+primary of the cluster is presumed up, the failed node's keys are misses, not an error
+that would make the connector skip the whole store."""
 
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ class Batches:
     def run(self, operation: str, names: list[bytes], run: Run, miss: T) -> list[Any]:
         """`run(node, indices)` for each node's names: one answer per name, `miss` for
         those of a node that failed or that no node serves, or the first BackendError
-        if every node asked failed (refused credentials raise a ConfigError)."""
+        if every node asked failed and no other primary is presumed up (refused
+        credentials raise a ConfigError)."""
         groups = self.topology.groups(names)
         outcomes = (
             list(self._threads.map(lambda group: self._attempt(operation, run, *group), groups))
@@ -58,12 +62,22 @@ class Batches:
                 answers[index] = answer
         if failed:
             self.topology.failed(node for node, _ in failed if node is not None)
-            if len(failed) == len(groups):
+            if len(failed) == len(groups) and not self._others_up({n for n, _ in failed}):
                 raise failed[0][1]
             for _, error in failed:
                 if not isinstance(error, Skipped):
                     log.warning("maru redis: %s; its keys are misses", error)
         return answers
+
+    def _others_up(self, failed: set[Node | None]) -> bool:
+        """In a cluster, is a primary other than `failed` presumed up (it has not failed
+        within `node_backoff`)?"""
+        if self._threads is None:
+            return False
+        now = time.monotonic()
+        return any(
+            node not in failed and node.skip_until <= now for node in self.topology.primaries()
+        )
 
     def _attempt(
         self, operation: str, run: Run, node: Node | None, indices: list[int]
