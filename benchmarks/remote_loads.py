@@ -251,12 +251,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<12} {r['p50_ms']:>11.2f} {r['p99_ms']:>11.2f} "
             f"{r.get('loads', 0):>6.0f} {r.get('background_loads', 0):>14.0f}"
         )
+    write_record("remote_loads", args, results)
+    return 0
+
+
+def write_record(benchmark: str, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The run's record at `args.json`: results, settings, commit, machine, versions."""
     settings = {**vars(args), "json": str(args.json)}
-    record = {"benchmark": "remote_loads", **stamp(), "settings": settings, "results": results}
+    record = {"benchmark": benchmark, **stamp(), "settings": settings, "results": results}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=2))
     print(f"\nwritten: {args.json}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ written as one JSON record stamped with the commit, the machine and the versions
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from remote_loads import LinkProxy, stamp, start_redis
+from remote_loads import LinkProxy, start_redis, write_record
 
 from maru.backends.shm import shm_path
 from maru.cli._engine import run_engine
@@ -138,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<18} {r['cold_ttft_ms']:>10.1f} {r['hit_ttft_ms']:>10.1f} "
             f"{r['hit_over_cold']:>9.2f}x {r['loaded_tokens']:>10} {r['recomputed_tokens']:>10}"
         )
-    settings = {**vars(args), "json": str(args.json)}
-    record = {"benchmark": "slow_tier", **stamp(), "settings": settings, "results": results}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=2))
-    print(f"\nwritten: {args.json}")
+    write_record("slow_tier", args, results)
     return 0
 
 
