@@ -67,4 +67,4 @@ def format_size(nbytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.4g} {unit}"
-    return f"{nbytes} bytes"
+    return f"{nbytes} byte" if nbytes == 1 else f"{nbytes} bytes"

@@ -41,6 +41,16 @@ def test_sizes_are_parsed(text: object, size: int) -> None:
 
 
 @pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [(0, "0 bytes"), (1, "1 byte"), (1023, "1023 bytes"), (1536, "1.5 KiB"), (64 << 20, "64 MiB")],
+)
+def test_sizes_are_written_for_people(nbytes: int, text: str) -> None:
+    from maru.sizes import format_size
+
+    assert format_size(nbytes) == text
+
+
+@pytest.mark.parametrize(
     ("value", "problem"),
     [
         ("-4G", "greater than zero"),
