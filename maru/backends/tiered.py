@@ -90,8 +90,8 @@ class TieredBackend(Backend):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.tiers: list[Backend] = []
-        self._refused: set[int] = set()
-        """Positions of the tiers turned off because their settings were refused."""
+        self._refused: set[Backend] = set()
+        """The tiers turned off because their settings were refused."""
         try:
             for position, name in enumerate(self.options.tiers):
                 self._open_tier(position, name, config)
@@ -126,9 +126,8 @@ class TieredBackend(Backend):
         """Turn off a lower tier whose settings were refused (once, with one error)."""
         if tier is self.tiers[0]:
             raise exc
-        position = self.tiers.index(tier)
-        if position not in self._refused:
-            self._refused.add(position)
+        if tier not in self._refused:
+            self._refused.add(tier)
             log.error("maru tier %s turned off, its settings were refused: %s", tier.name, exc)
 
     def _attempt(
@@ -136,7 +135,7 @@ class TieredBackend(Backend):
     ) -> Any:
         """`call(tier)`, or FAILED if the tier fails: for this call, a miss (logged). A
         tier that cannot do an `optional` operation at all gives UNSUPPORTED."""
-        if self.tiers.index(tier) in self._refused:
+        if tier in self._refused:
             return FAILED
         try:
             return call(tier)

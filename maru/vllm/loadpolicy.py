@@ -171,18 +171,23 @@ class LoadPolicy:
             self.load.count < PROBES_TRUSTED or self.clock() - self.load.at >= PROBE_EVERY_S
         ):
             self._start_probe(probe)
+        return self._say(
+            verdict,
+            "maru: hits on a slow tier now %s: %d tokens would load in %.1f ms "
+            "(%.0f tokens/s) and compute in %.1f ms (%.0f tokens/s)",
+            "load" if verdict is Verdict.LOAD else "are recomputed",
+            tokens,
+            load_s * 1e3,
+            self.load.value,
+            prefill_s * 1e3,
+            self.prefill.value,
+        )
+
+    def _say(self, verdict: Verdict, message: str, *args: object) -> Verdict:
+        """`verdict`, logged with `message` where it differs from the last one logged."""
         if verdict is not self._said:
             self._said = verdict
-            log.info(
-                "maru: hits on a slow tier now %s: %d tokens would load in %.1f ms "
-                "(%.0f tokens/s) and compute in %.1f ms (%.0f tokens/s)",
-                "load" if verdict is Verdict.LOAD else "are recomputed",
-                tokens,
-                load_s * 1e3,
-                self.load.value,
-                prefill_s * 1e3,
-                self.prefill.value,
-            )
+            log.info(message, *args)
         return verdict
 
     def _while_unknown(self, probe: Callable[[], bytes | None]) -> Verdict | None:
@@ -203,14 +208,12 @@ class LoadPolicy:
             return None if self.load.value is not None else Verdict.LOAD
         if not self._probe.overdue:
             return Verdict.WAIT
-        if self._said is not Verdict.RECOMPUTE:
-            self._said = Verdict.RECOMPUTE
-            log.info(
-                "maru: hits on a slow tier are recomputed: reading one of its objects took "
-                "longer than computing a chunk (%.1f ms)",
-                self._probe.wait_s * 1e3,
-            )
-        return Verdict.RECOMPUTE
+        return self._say(
+            Verdict.RECOMPUTE,
+            "maru: hits on a slow tier are recomputed: reading one of its objects took "
+            "longer than computing a chunk (%.1f ms)",
+            self._probe.wait_s * 1e3,
+        )
 
     def _start_probe(self, probe: Callable[[], bytes | None]) -> None:
         """Read one object (a chunk's tokens of one group) on a thread of its own; a
