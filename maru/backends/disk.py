@@ -47,9 +47,9 @@ from maru.backends._disk.directory import (
     FANOUT,
     MARKER,
     TEMP_PREFIX,
-    abandoned,
     object_names,
     prepare_root,
+    scan_objects,
     survey_root,
     unusable,
 )
@@ -65,7 +65,6 @@ from maru.backends._disk.objects import (
     Corrupt,
     OtherKey,
     digest,
-    is_object_name,
     object_checksum,
     parse,
     read_all,
@@ -454,23 +453,10 @@ class DiskBackend(Backend):
     def _scan(self, *, clean_temps: bool = False) -> None:
         """Rebuild the index from the directory, least recently used first (lock held);
         with `clean_temps`, remove crashed writers' temporary files."""
-        found: list[tuple[int, str, int]] = []
-        for sub in FANOUT:
-            try:
-                entries = list(os.scandir(self._dir / sub))
-            except OSError as exc:
-                raise self._io_error("scan", self._dir / sub, exc) from None
-            for entry in entries:
-                try:
-                    stat = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if entry.name.startswith(TEMP_PREFIX):
-                    if clean_temps and abandoned(entry.name, stat.st_mtime, self._host):
-                        Path(entry.path).unlink(missing_ok=True)
-                elif is_object_name(entry.name):
-                    found.append((stat.st_mtime_ns, entry.name, stat.st_size))
-        found.sort()
+        try:
+            found = scan_objects(self._dir, self._host, clean_temps=clean_temps)
+        except OSError as exc:
+            raise self._io_error("scan", Path(exc.filename or self._dir), exc) from None
         self._index = Index(OrderedDict((name, size) for _, name, size in found))
         self._scanned = time.monotonic()
 

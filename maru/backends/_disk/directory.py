@@ -77,6 +77,26 @@ def object_names(directory: Path) -> list[str]:
         return []
 
 
+def scan_objects(root: Path, host: str, *, clean_temps: bool) -> list[tuple[int, str, int]]:
+    """(mtime in ns, name, size) of every object file under the fan-out directories of
+    `root`, least recently used first; with `clean_temps`, crashed writers' temporary
+    files are removed on the way. An unreadable directory raises its OSError."""
+    found: list[tuple[int, str, int]] = []
+    for sub in FANOUT:
+        for entry in list(os.scandir(root / sub)):
+            try:
+                stat = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if entry.name.startswith(TEMP_PREFIX):
+                if clean_temps and abandoned(entry.name, stat.st_mtime, host):
+                    Path(entry.path).unlink(missing_ok=True)
+            elif is_object_name(entry.name):
+                found.append((stat.st_mtime_ns, entry.name, stat.st_size))
+    found.sort()
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
