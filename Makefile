@@ -124,6 +124,7 @@ bench: $(STAMP) redis-server $(LMCACHE_STAMP)
 	$(BIN)/python benchmarks/hit_cost.py --busy --omp-wait-policy passive \
 	  --output benchmarks/results/hit_cost_busy_passive.json
 	$(BIN)/python benchmarks/online_serve.py --lmcache .venv-lmcache
+	$(BIN)/python benchmarks/two_nodes.py --lmcache .venv-lmcache
 	$(BIN)/python benchmarks/pool_attach.py
 	$(BIN)/python benchmarks/load_checksum.py
 	$(BIN)/python benchmarks/hybrid_hits.py

@@ -154,13 +154,17 @@ def measure_maru(args: argparse.Namespace, out: Path) -> tuple[dict[str, list[di
 
 
 @contextmanager
-def lmcache_server(venv: Path, chunk_tokens: int) -> Iterator[int]:
-    """LMCache's multiprocess server on a free loopback port, once it accepts."""
+def lmcache_server(
+    venv: Path, chunk_tokens: int, name: str = "online", *extra: str
+) -> Iterator[int]:
+    """LMCache's multiprocess server (`extra`: more of its options) on a free loopback
+    port, once it accepts; its log is bench-`name`-lmcache-server.log."""
     port = free_port()
-    log = model_cache().parent / "bench-online-lmcache-server.log"
+    log = model_cache().parent / f"bench-{name}-lmcache-server.log"
     command = [
         str(venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
         "--http-port", str(free_port()), "--chunk-size", str(chunk_tokens), *LMCACHE_SERVER,
+        *extra,
     ]  # fmt: skip
     with running(command, log, lambda: accepts(port), "lmcache server"):
         yield port

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from maru.cli._engine import run_engine
+from maru.cli._redis_server import RedisServer
 from maru.cli._thread_binding import in_process_worker_binding, spawned_with
 from maru.cli._tiny_model import build_tiny_llama
 from maru.cli.demo import model_cache
@@ -74,23 +75,6 @@ class LinkProxy:
             time.sleep(delay + (len(data) / self.rate if self.rate else 0.0))
             sink.sendall(data)
         sink.close()
-
-
-def start_redis(folder: Path) -> tuple[subprocess.Popen, int]:
-    """A redis-server on a free loopback port, persisting nothing."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", folder],
-        stdout=subprocess.DEVNULL,
-    )
-    for _ in range(100):
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return server, port
-        time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
 
 
 def connector(port: int, prefix: str, mode: str) -> dict[str, Any]:
@@ -221,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_tiny_llama(model_cache() / "tiny-llama"))
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="maru-remote-loads-") as folder:
-        server, port = start_redis(Path(folder))
+        server = RedisServer(Path(folder)).start()
+        port = server.port
         try:
             prefix = f"bench-{os.getpid()}"
             print(f"storing {args.loaders} prefixes of {args.prefix} tokens in Redis ...")
@@ -243,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured = run(job)
                 results[name] = {**percentiles(measured["gaps"]), **measured["totals"]}
         finally:
-            server.terminate()
-            server.wait()
+            server.stop()
     print(f"\n{'run':<12} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'loads':>6} {'in background':>14}")
     for name, r in results.items():
         print(
@@ -257,10 +241,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_record(benchmark: str, args: argparse.Namespace, results: dict[str, Any]) -> None:
     """The run's record at `args.json`: results, settings, commit, machine, versions."""
-    settings = {**vars(args), "json": str(args.json)}
-    record = {"benchmark": benchmark, **stamp(), "settings": settings, "results": results}
+    record = {"benchmark": benchmark, **stamp(), "settings": vars(args), "results": results}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=2))
+    args.json.write_text(json.dumps(record, indent=2, default=str))
     print(f"\nwritten: {args.json}")
 
 

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from remote_loads import LinkProxy, start_redis, write_record
+from remote_loads import LinkProxy, write_record
 
 from maru.backends.shm import shm_path
 from maru.cli._engine import run_engine
+from maru.cli._redis_server import RedisServer
 from maru.cli._tiny_model import build_tiny_llama
 from maru.cli.demo import DEMO_MODEL, model_cache
 
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="maru-slow-tier-") as folder:
-        server, port = start_redis(Path(folder))
+        server = RedisServer(Path(folder)).start()
+        port = server.port
         try:
             for index, (name, (rate, slow_hits)) in enumerate(cases.items()):
                 key_prefix = f"bench-{os.getpid()}-{index}"  # each engine meets a fresh tier
@@ -126,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                     model, prompts, connector(proxy.port, key_prefix, slow_hits)
                 )
         finally:
-            server.terminate()
-            server.wait()
+            server.stop()
             for path in shm_path("x").parent.glob(f"maru-bench-{os.getpid()}-*"):
                 path.unlink()  # the nodes' pools
     columns = ("cold ms", "hit ms", "hit/cold", "loaded", "recomputed")
