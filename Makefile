@@ -33,7 +33,7 @@ venv: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml maru/_streamcopy.c examples/maru-example-plugin/pyproject.toml tools/vllm_cpu_metadata.py
+$(STAMP): $(BIN)/python pyproject.toml maru/_streamcopy.c maru/_respread.c examples/maru-example-plugin/pyproject.toml tools/vllm_cpu_metadata.py
 	@echo "installing maru and its test dependencies into $(VENV) ..."
 	@# pip's configured indexes first; PyTorch's CPU index only if they lack the CPU torch.
 	$(BIN)/python tools/bootstrap.py --disable-pip-version-check \
@@ -125,6 +125,7 @@ bench: $(STAMP) redis-server $(LMCACHE_STAMP)
 	  --output benchmarks/results/hit_cost_busy_passive.json
 	$(BIN)/python benchmarks/online_serve.py --lmcache .venv-lmcache
 	$(BIN)/python benchmarks/two_nodes.py --lmcache .venv-lmcache
+	$(BIN)/python benchmarks/busy_reads.py
 	$(BIN)/python benchmarks/pool_attach.py
 	$(BIN)/python benchmarks/load_checksum.py
 	$(BIN)/python benchmarks/hybrid_hits.py

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     passes: dict[str, dict[str, list[dict]]] = {}
     counters: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="maru-two-nodes-") as folder:
-        server = RedisServer(Path(folder) / "redis").start()
+        server = RedisServer(Path(folder) / "redis", "--maxmemory-policy", "allkeys-lru").start()
         client = redis.Redis(port=server.port, socket_timeout=10)
         try:
             vllm = Path(sys.executable).parent / "vllm"

@@ -37,7 +37,7 @@ try:  # redis-py is optional (maru[redis]): without it the backend is listed, no
     from maru.backends._redis.batches import Batches
     from maru.backends._redis.policy import check_eviction_policy
     from maru.backends._redis.topology import Node, open_topology
-    from maru.backends._redis.wire import Deadline, Reader, TooSmall, exchange, read_into
+    from maru.backends._redis.wire import Deadline, Reader, TooSmall, exchange, read_many_into
 except ModuleNotFoundError as exc:
     if exc.name != "redis" and not (exc.name or "").startswith("redis."):
         raise
@@ -194,15 +194,10 @@ class RedisBackend(Backend):
         chunked = self.options.chunked_reads
 
         def run(node: Node, indices: list[int]) -> list[Any]:
-            commands: list[tuple[Any, ...]] = []
-            readers = []
-            for i in indices:
-                sent, read = read_into(names[i], outs[i], chunked)
-                commands += sent
-                readers.append(read)
-            return self._exchange(
-                node, commands, lambda reader: [_raised(read(reader)) for read in readers]
+            commands, read = read_many_into(
+                [names[i] for i in indices], [outs[i] for i in indices], chunked
             )
+            return self._exchange(node, commands, lambda reader: list(map(_raised, read(reader))))
 
         sizes = self._batches.run("get", names, run, None)
         for key, out, size in zip(keys, outs, sizes, strict=True):

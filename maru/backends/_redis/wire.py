@@ -13,17 +13,21 @@ never reused half-read. Errors are redis-py's, so the caller maps them in one pl
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
 import redis
 from redis._parsers.base import BaseParser
 
+from maru._respread import read_bulks
+
 SCRATCH_BYTES = 1 << 16
 """Bytes read at a time for reply headers and small replies."""
 CHUNKED_READ_BYTES = 16 << 20
-"""Buffers this large are read in ranges (`read_into`)."""
+"""Buffers this large are read in ranges (`read_many_into`)."""
 CHUNK_BYTES = 1 << 20
 """Bytes per range of a chunked read."""
 
@@ -59,11 +63,14 @@ class Deadline:
 
 
 class Reader:
-    """RESP2 replies from a socket, each read once, in order."""
+    """RESP2 replies from a socket, each read once, in order, after the commands they
+    answer (`unsent`) are sent: where its replies are read (in Python, or with them in
+    `bulks_into`)."""
 
-    def __init__(self, sock: socket.socket, deadline: Deadline) -> None:
+    def __init__(self, sock: socket.socket, deadline: Deadline, unsent: Sequence[Any] = ()) -> None:
         self._sock = sock
         self._deadline = deadline
+        self._unsent = list(unsent)
         self._buffer = bytearray(SCRATCH_BYTES)
         self._start = self._end = 0
 
@@ -102,8 +109,28 @@ class Reader:
         self._end_of_bulk()
         return size
 
+    def bulks_into(self, outs: list[memoryview]) -> list[int | TooSmall | Exception | None]:
+        """The next replies, one per buffer, as `bulk_into`. On a plain TCP or Unix socket
+        they are read in one call that holds no interpreter lock (`maru._respread`): a
+        thread reading beside a busy one (a background load beside the engine) would
+        otherwise wait for the lock after each system call. TLS reads in Python."""
+        if isinstance(self._sock, ssl.SSLSocket) or self._end > self._start:
+            return [self.bulk_into(out) for out in outs]
+        request, self._unsent = b"".join(self._unsent), []
+        try:
+            replies = read_bulks(
+                self._sock.fileno(), request, outs, self._deadline.left(), self._deadline.per_byte
+            )
+        except TimeoutError:
+            raise redis.TimeoutError("Timeout reading from socket") from None
+        except ValueError as exc:
+            raise redis.exceptions.InvalidResponse(f"Protocol error: {exc}") from None
+        except OSError as exc:
+            raise redis.ConnectionError(f"Error while reading from socket: {exc}") from None
+        return [_native(reply) for reply in replies]
+
     def chunked_into(self, out: memoryview, ranges: int) -> int | TooSmall | Exception | None:
-        """The replies to `read_into`'s chunked commands, the object copied into `out`:
+        """The replies to `read_many_into`'s chunked commands, the object copied into `out`:
         its size, None (no such key), TooSmall, or the error it is."""
         queued = [self.value() for _ in range(ranges + 3)]
         kind, rest = self._header()
@@ -169,6 +196,10 @@ class Reader:
         self._end += self._recv_into(memoryview(self._buffer)[self._end :])
 
     def _recv_into(self, out: memoryview) -> int:
+        for part in self._unsent:
+            self._sock.settimeout(self._deadline.left())
+            _send(self._sock, part)
+        self._unsent = []
         self._sock.settimeout(self._deadline.left())
         try:
             received = self._sock.recv_into(out)
@@ -181,21 +212,38 @@ class Reader:
         return received
 
 
-def read_into(
-    name: bytes, out: memoryview, chunked: bool
-) -> tuple[list[tuple[Any, ...]], Callable[[Reader], Any]]:
-    """The commands that read the object `name` into `out`, and how to read their replies:
-    one GET; or, where `chunked` and `out` is large, its existence, size and CHUNK_BYTES
-    ranges inside MULTI/EXEC (one version of the object), which Redis 7 sends about twice
-    as fast as one large reply."""
-    if not chunked or out.nbytes < CHUNKED_READ_BYTES:
-        return [("GET", name)], lambda reader: reader.bulk_into(out)
-    ranges = [
-        ("GETRANGE", name, start, min(start + CHUNK_BYTES, out.nbytes) - 1)
-        for start in range(0, out.nbytes, CHUNK_BYTES)
-    ]
-    commands = [("MULTI",), ("EXISTS", name), ("STRLEN", name), *ranges, ("EXEC",)]
-    return commands, lambda reader: reader.chunked_into(out, len(ranges))
+def _native(reply: Any) -> int | TooSmall | Exception | None:
+    """`read_bulks`'s answer for one reply, as `bulk_into` gives it."""
+    if not isinstance(reply, tuple):
+        return reply
+    kind, detail = reply
+    return TooSmall(detail) if kind == "too_small" else BaseParser.parse_error(detail)
+
+
+def read_many_into(
+    names: list[bytes], outs: list[memoryview], chunked: bool
+) -> tuple[list[tuple[Any, ...]], Callable[[Reader], list[Any]]]:
+    """The commands that read each object of `names` into its buffer of `outs`, and how
+    to read their replies (each object's size, None, TooSmall or an error): one GET each;
+    or, where `chunked` and a buffer is large, the object's existence, size and
+    CHUNK_BYTES ranges inside MULTI/EXEC (one version of the object), which Redis 7
+    sends about twice as fast as one large reply."""
+    if not chunked or all(out.nbytes < CHUNKED_READ_BYTES for out in outs):
+        return [("GET", name) for name in names], lambda reader: reader.bulks_into(outs)
+    commands: list[tuple[Any, ...]] = []
+    reads: list[Callable[[Reader], Any]] = []
+    for name, out in zip(names, outs, strict=True):
+        if out.nbytes < CHUNKED_READ_BYTES:
+            commands.append(("GET", name))
+            reads.append(partial(Reader.bulk_into, out=out))
+            continue
+        ranges = [
+            ("GETRANGE", name, start, min(start + CHUNK_BYTES, out.nbytes) - 1)
+            for start in range(0, out.nbytes, CHUNK_BYTES)
+        ]
+        commands += [("MULTI",), ("EXISTS", name), ("STRLEN", name), *ranges, ("EXEC",)]
+        reads.append(partial(Reader.chunked_into, out=out, ranges=len(ranges)))
+    return commands, lambda reader: [read(reader) for read in reads]
 
 
 def exchange(
@@ -204,17 +252,13 @@ def exchange(
     read: Callable[[Reader], T],
     start: Callable[[], Deadline],
 ) -> T:
-    """Send `commands` at once on one connection of `pool`, then `read` their replies,
+    """Send `commands` at once on one connection of `pool` and `read` their replies,
     by the deadline `start()` sets once the connection is there (waiting for one is
     bounded by the pool's own timeout)."""
     connection = pool.get_connection()
     try:
         deadline = start()
-        sock = connection._sock
-        for part in connection.pack_commands(commands):
-            sock.settimeout(deadline.left())
-            _send(sock, part)
-        return read(Reader(sock, deadline))
+        return read(Reader(connection._sock, deadline, connection.pack_commands(commands)))
     except BaseException:
         connection.disconnect()
         raise
