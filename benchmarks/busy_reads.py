@@ -1,18 +1,21 @@
 """Batched Redis reads beside a busy Python thread: what a background load meets when it
 reads beside the engine's thread.
 
-A private redis-server on loopback holds `--objects` objects of `--size` bytes; the
-store reads them with one `get_many_into` (its replies read in one call that holds no
-interpreter lock, `maru._respread`), `--repeats` times, alone and while another thread
-of the same process runs Python without pause. The baseline, in the same run: the same
-bytes over a plain loopback socket from another process, read in Python (`recv_into`),
-alone and beside the busy thread. Reported: each median, and busy over quiet. The
-record (`--json`) is stamped with commit, machine and versions.
+A private redis-server on loopback holds `--objects` objects of `--size` bytes. Read,
+`--repeats` times, alone and while another thread of the same process runs Python
+without pause: by a Redis store's `get_many_into` (its replies read in one call that
+holds no interpreter lock, `maru._respread`), and by a tiered store's `fetch_many`, shm
+in front of that Redis, what a background load calls (the objects read straight into
+the pool, which is emptied before each read). The baseline, in the same run: the same
+bytes over a plain loopback socket from another process, read in Python (`recv_into`).
+Reported: each median, and busy over quiet. The record (`--json`) is stamped with
+commit, machine and versions.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -48,32 +51,42 @@ def busy_thread() -> Iterator[None]:
         thread.join()
 
 
-def median_ms(read: Callable[[], object], repeats: int) -> float:
+def median_ms(read: Callable[[], object], repeats: int, reset: Callable[[], object]) -> float:
+    """The median time of `read`, `reset` (untimed) before each."""
     times = []
     for _ in range(repeats):
+        reset()
         start = time.perf_counter()
         read()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
 
-def measure(store: maru.Backend, size: int, objects: int, repeats: int) -> dict[str, dict]:
-    """Medians of the store's batched read and of the link's (the same bytes over a plain
-    socket, read in Python), each alone and beside a busy thread."""
-    keys = [b"busy-%d" % i for i in range(objects)]
-    store.put_many([(key, bytes([i]) * size) for i, key in enumerate(keys)])
+def measure(redis: maru.Backend, tiered: maru.Backend, args: argparse.Namespace) -> dict:
+    """Medians of a Redis store's batched read, of a tiered store's fetch of the same
+    objects from the Redis below its shm pool (into the pool; emptied before each), and
+    of the link's (the same bytes over a plain socket, read in Python), each alone and
+    beside a busy thread."""
+    size = parse_size(args.size)
+    keys = [b"busy-%d" % i for i in range(args.objects)]
+    redis.put_many([(key, bytes([i]) * size) for i, key in enumerate(keys)])
     outs = [bytearray(size) for _ in keys]
+    pool = tiered.tiers[0]
     link = LinkBaseline("tcp", size)
     reads = {
-        "the store": lambda: store.get_many_into(keys, outs),
-        "a plain socket": lambda: [link.receive(out) for out in outs],
+        "redis get_many_into": (lambda: redis.get_many_into(keys, outs), lambda: None),
+        "tiered fetch_many": (
+            lambda: tiered.fetch_many(keys, [size] * len(keys)),
+            lambda: [pool.delete(key) for key in keys],
+        ),
+        "a plain socket": (lambda: [link.receive(out) for out in outs], lambda: None),
     }
     results = {}
     try:
-        for name, read in reads.items():
-            quiet = median_ms(read, repeats)
+        for name, (read, reset) in reads.items():
+            quiet = median_ms(read, args.repeats, reset)
             with busy_thread():
-                busy = median_ms(read, repeats)
+                busy = median_ms(read, args.repeats, reset)
             results[name] = {"quiet_ms": quiet, "busy_ms": busy, "busy/quiet": busy / quiet}
     finally:
         link.close()
@@ -87,18 +100,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/busy_reads.json"))
     args = parser.parse_args(argv)
+    pool = f"busy-reads-{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="maru-busy-reads-") as folder:
         server = RedisServer(Path(folder), "--maxmemory-policy", "allkeys-lru").start()
-        config = maru.load_config(backend="redis", capacity="1GiB", redis={"url": server.url})
+        redis = {"url": server.url, "key_prefix": "busy:"}
         try:
-            with maru.open_store(config) as store:
-                results = measure(store, parse_size(args.size), args.objects, args.repeats)
+            with (
+                maru.open_store(maru.load_config(backend="redis", redis=redis)) as store,
+                maru.open_store(
+                    maru.load_config(
+                        backend="tiered",
+                        capacity="256MiB",
+                        shm={"name": pool},
+                        tiered={"tiers": ["shm", "redis"]},
+                        redis=redis,
+                    )
+                ) as tiered,
+            ):
+                results = measure(store, tiered, args)
+                tiered.tiers[0].destroy()
         finally:
             server.stop()
-    print(f"{args.objects} objects of {args.size}, one get_many_into, median of {args.repeats}:")
+    print(f"{args.objects} objects of {args.size} in one call, median of {args.repeats}:")
     for reader, r in results.items():
         print(
-            f"  {reader:<15} quiet {r['quiet_ms']:6.1f} ms   beside a busy "
+            f"  {reader:<20} quiet {r['quiet_ms']:6.1f} ms   beside a busy "
             f"thread {r['busy_ms']:6.1f} ms   ({r['busy/quiet']:.1f}x)"
         )
     write_record("busy_reads", args, results)

@@ -333,13 +333,22 @@ static PyObject *copy_rows_summing(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Sums of fewer bytes keep the interpreter's lock: handing it back costs the caller a
+ * wait for it of up to the switch interval (5 ms) beside a busy thread, which is what
+ * a background load meets (its commits sum each object), while summing 32 MiB takes
+ * about that long; shorter work costs the others less than the wait would cost it. */
+#define SUM_RELEASES_ABOVE (32u << 20)
+
 static PyObject *sum_feed(PyObject *self, PyObject *args)
 {
     Py_buffer state, data;
     if (!PyArg_ParseTuple(args, "w*y*", &state, &data))
         return NULL;
     SumState *s = state_of(&state);
-    if (s != NULL) {
+    if (s != NULL && (size_t)data.len < SUM_RELEASES_ABOVE) {
+        sum_update(s, (const uint8_t *)data.buf, (size_t)data.len);
+        PyBuffer_Release(&state);
+    } else if (s != NULL) {
         Py_BEGIN_ALLOW_THREADS
         sum_update(s, (const uint8_t *)data.buf, (size_t)data.len);
         Py_END_ALLOW_THREADS

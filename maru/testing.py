@@ -161,6 +161,22 @@ class BackendContract:
         with pytest.raises(ValueError, match="outs"):
             store.get_many_into([b"a", b"b"], [bytearray(2 * KIB)])
 
+    def test_fetch_many_views_each_object_or_says_miss(self, store: Backend) -> None:
+        store.put(b"a", payload("a", 3 * KIB))
+        store.put(b"c", b"")
+        views = store.fetch_many([b"a", b"b", "a", b"c"], [4 * KIB, 16, 3 * KIB, 1])
+        assert [None if v is None else bytes(v.data) for v in views] == [
+            payload("a", 3 * KIB),
+            None,
+            payload("a", 3 * KIB),
+            b"",
+        ]
+        assert all(v.valid() for v in views if v is not None)
+        with pytest.raises(BufferTooSmallError, match="bytes"):
+            store.fetch_many([b"a"], [KIB])
+        with pytest.raises(ValueError, match="sizes"):
+            store.fetch_many([b"a", b"c"], [4 * KIB])
+
     def test_put_many_stores_each_and_the_first_writer_wins(self, store: Backend) -> None:
         store.put(b"old", b"first")
         items = [(b"old", b"second"), (b"x", payload("x", KIB)), ("x", b"again"), (b"e", b"")]

@@ -217,3 +217,61 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 "one (`.venv/bin/python -m pytest -m cuda`), or leave it out with "
                 "-m 'not cuda' as `make check` and `make test` do here"
             )
+
+
+@pytest.fixture
+def tiered(open_stores, redis_server):
+    """Open shm-over-redis stores with private pool and key names."""
+    pools: list[str] = []
+
+    def make(capacity: int = 8 << 20, url: str | None = None, **shm) -> maru.Backend:
+        pools.append(unique_name("tier"))
+        return open_stores(
+            backend="tiered",
+            capacity=capacity,
+            namespace=unique_name(),
+            tiered={"tiers": ["shm", "redis"]},
+            shm={"name": pools[-1], **shm},
+            redis={"url": url or redis_server.url},
+        )
+
+    yield make
+    for pool in pools:
+        shm_path(pool).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def shm_disk(open_stores, tmp_path):
+    """Open shm-over-disk stores (`tiers` to add more): a small shm pool, a disk store
+    `disk_capacity` large, under `tmp_path`."""
+    pools: list[str] = []
+
+    def make(
+        capacity: int = 4 << 20,
+        disk_capacity: str = "64MiB",
+        tiers: tuple[str, ...] = ("shm", "disk"),
+        pool: str | None = None,
+        redis: str | None = None,
+        **tiered,
+    ) -> maru.Backend:
+        pools.append(pool or unique_name("tier"))
+        return open_stores(
+            backend="tiered",
+            capacity=capacity,
+            namespace="tiers",
+            tiered={"tiers": list(tiers), **tiered},
+            shm={"name": pools[-1]},
+            disk={"path": str(tmp_path / "disk"), "capacity": disk_capacity},
+            **({"redis": {"url": redis}} if redis else {}),
+        )
+
+    yield make
+    for pool in pools:
+        shm_path(pool).unlink(missing_ok=True)
+
+
+def failing(message: str):
+    def fail(*args, **kwargs):
+        raise maru.BackendError(message)
+
+    return fail

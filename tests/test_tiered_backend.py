@@ -14,29 +14,8 @@ from maru.backends._pool.index import key_hash
 from maru.backends.base import ReadView
 from maru.backends.shm import shm_path
 from maru.testing import KIB, BackendContract, EvictionContract, payload
-from tests.conftest import stall_reservations, unique_name
+from tests.conftest import failing, stall_reservations, unique_name
 from tests.redis_server import RedisServer, free_port
-
-
-@pytest.fixture
-def tiered(open_stores, redis_server):
-    """Open shm-over-redis stores with private pool and key names."""
-    pools: list[str] = []
-
-    def make(capacity: int = 8 << 20, url: str | None = None, **shm) -> maru.Backend:
-        pools.append(unique_name("tier"))
-        return open_stores(
-            backend="tiered",
-            capacity=capacity,
-            namespace=unique_name(),
-            tiered={"tiers": ["shm", "redis"]},
-            shm={"name": pools[-1], **shm},
-            redis={"url": url or redis_server.url},
-        )
-
-    yield make
-    for pool in pools:
-        shm_path(pool).unlink(missing_ok=True)
 
 
 class TestTieredContract(BackendContract):
@@ -178,36 +157,6 @@ def test_keys_are_unsupported_only_when_no_tier_can_list_them(plugin_tiers, monk
 )
 def test_the_bytes_live_where_the_first_tiers_do(plugin_tiers, tiers, medium) -> None:
     assert plugin_tiers(*tiers).medium == medium
-
-
-@pytest.fixture
-def shm_disk(open_stores, tmp_path):
-    """Open shm-over-disk stores (`tiers` to add more): a small shm pool, a disk store
-    `disk_capacity` large, under `tmp_path`."""
-    pools: list[str] = []
-
-    def make(
-        capacity: int = 4 << 20,
-        disk_capacity: str = "64MiB",
-        tiers: tuple[str, ...] = ("shm", "disk"),
-        pool: str | None = None,
-        redis: str | None = None,
-        **tiered,
-    ) -> maru.Backend:
-        pools.append(pool or unique_name("tier"))
-        return open_stores(
-            backend="tiered",
-            capacity=capacity,
-            namespace="tiers",
-            tiered={"tiers": list(tiers), **tiered},
-            shm={"name": pools[-1]},
-            disk={"path": str(tmp_path / "disk"), "capacity": disk_capacity},
-            **({"redis": {"url": redis}} if redis else {}),
-        )
-
-    yield make
-    for pool in pools:
-        shm_path(pool).unlink(missing_ok=True)
 
 
 class TestShmOverDiskContract(BackendContract, EvictionContract):
@@ -470,13 +419,6 @@ def test_a_batched_put_lands_in_the_first_tier_and_is_copied_below(tiered) -> No
     shm, redis = store.tiers
     assert [shm.get(b"a"), shm.get(b"b")] == [b"1", b"22"]
     assert [redis.get(b"a"), redis.get(b"b")] == [b"1", b"22"]
-
-
-def failing(message: str):
-    def fail(*args, **kwargs):
-        raise maru.BackendError(message)
-
-    return fail
 
 
 def test_a_lower_tier_whose_credentials_are_refused_at_open_is_left_out(

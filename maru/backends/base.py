@@ -297,6 +297,16 @@ class Backend(ABC):
             [normalize_key(key) for key in keys], [byte_view(out, writable=True) for out in outs]
         )
 
+    def fetch_many(self, keys: Sequence[Key], sizes: Sequence[int]) -> list[ReadView | None]:
+        """Each key's object (of at most its `sizes` bytes) read for a copy that follows,
+        as a view (None: a miss): what a background load reads. The store picks the
+        memory: private buffers here; a tiered store its first tier's, promoting what it
+        finds below in place. A buffer too small raises as `get_many_into` does."""
+        self._check_open()
+        if len(sizes) != len(keys):
+            raise ValueError(f"{len(sizes)} sizes for {len(keys)} keys; allowed: one per key")
+        return self._fetch_many([normalize_key(key) for key in keys], list(sizes))
+
     def put_many(self, items: Sequence[tuple[Key, Any]]) -> list[bool]:
         """`put` each (key, data), in order: one answer per item, False where the key was
         taken (by an earlier item too), there was no room, or its part of the store failed."""
@@ -390,10 +400,10 @@ class Backend(ABC):
         return True
 
     @staticmethod
-    def too_small(key: bytes, size: int, out: memoryview) -> BufferTooSmallError:
-        """The error for an output buffer that cannot hold the object."""
+    def too_small(key: bytes, size: int, room: int) -> BufferTooSmallError:
+        """The error for an output buffer of `room` bytes that cannot hold the object."""
         return BufferTooSmallError(
-            f"output buffer holds {out.nbytes} bytes but object {key!r} is {size} bytes"
+            f"output buffer holds {room} bytes but object {key!r} is {size} bytes"
         )
 
     @abstractmethod
@@ -420,6 +430,15 @@ class Backend(ABC):
         """Default: `_get_into` each; backends that batch round trips override it."""
         return [self._get_into(key, out) for key, out in zip(keys, outs, strict=True)]
 
+    def _fetch_many(self, keys: list[bytes], sizes: list[int]) -> list[ReadView | None]:
+        """Default: one `_get_many_into` into private buffers of `sizes`."""
+        buffers = [bytearray(size) for size in sizes]
+        got = self._get_many_into(keys, [memoryview(buffer) for buffer in buffers])
+        return [
+            None if size is None else ReadView(memoryview(buffer)[:size].toreadonly())
+            for buffer, size in zip(buffers, got, strict=True)
+        ]
+
     def _put_many(self, items: list[tuple[bytes, memoryview]]) -> list[bool]:
         """Default: `_put` each; backends that batch round trips override it."""
         return [self._put(key, data) for key, data in items]
@@ -437,7 +456,7 @@ class Backend(ABC):
         """Copy an object into `out`, or raise the too-small error and copy nothing."""
         size = len(data)
         if size > out.nbytes:
-            raise self.too_small(key, size, out)
+            raise self.too_small(key, size, out.nbytes)
         out[:size] = data
         return size
 

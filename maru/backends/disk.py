@@ -328,7 +328,7 @@ class DiskBackend(Backend):
     def _get_into(self, key: bytes, out: memoryview) -> int | None:
         def into(size: int) -> memoryview:
             if size > out.nbytes:
-                raise self.too_small(key, size, out)
+                raise self.too_small(key, size, out.nbytes)
             return out[:size]
 
         return self._read(key, into)

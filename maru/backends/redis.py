@@ -202,7 +202,7 @@ class RedisBackend(Backend):
         sizes = self._batches.run("get", names, run, None)
         for key, out, size in zip(keys, outs, sizes, strict=True):
             if isinstance(size, TooSmall):
-                raise self.too_small(key, size.size, out)
+                raise self.too_small(key, size.size, out.nbytes)
         self._count(sizes)
         return sizes
 

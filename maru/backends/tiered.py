@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from maru.backends._tiered.copier import Copier
+from maru.backends._tiered.reservation import Reservation
 from maru.backends.base import MEDIA, Backend, Key, Medium, ReadView, StoreStats
 from maru.backends.registry import backend_class
 from maru.config import Options
@@ -284,27 +285,83 @@ class TieredBackend(Backend):
     def _get_many_into(self, keys: list[bytes], outs: list[memoryview]) -> list[int | None]:
         """One batched read per tier, of the keys the tiers above lacked (one round trip
         per Redis node for a lower Redis tier); hits below are promoted as by `get_into`."""
+        sizes, found_in = self._read_many(keys, outs, first=0)
+        for key, out, size, index in zip(keys, outs, sizes, found_in, strict=True):
+            if size is not None and index > 0:
+                self._promote(key, out[:size], index)
+        self._count_many(sizes)
+        return sizes
+
+    def _count_many(self, answers: list[Any]) -> None:
+        """Count each answer as a hit, or a miss where it is None."""
+        hits = sum(answer is not None for answer in answers)
+        with self._lock:
+            self._hits += hits
+            self._misses += len(answers) - hits
+
+    def _read_many(
+        self, keys: list[bytes], outs: list[memoryview], first: int
+    ) -> tuple[list[int | None], list[int]]:
+        """Each object read into its buffer from the first tier from `first` on that has
+        it, one batch per tier: sizes (None: a miss) and the tiers they came from. Only
+        when every tier fails is it an error (from a lower tier on, a miss)."""
         sizes: list[int | None] = [None] * len(keys)
+        found_in = [-1] * len(keys)
         missing, failures = list(range(len(keys))), 0
-        for index, tier in enumerate(self.tiers):
+        for index in range(first, len(self.tiers)):
             if not missing:
                 break
             asked = [keys[i] for i in missing], [outs[i] for i in missing]
-            got = self._attempt(tier, lambda t, asked=asked: t.get_many_into(*asked), "read")
+            got = self._attempt(
+                self.tiers[index], lambda t, asked=asked: t.get_many_into(*asked), "read"
+            )
             if got is FAILED:
                 failures += 1
                 continue
             for position, size in zip(missing, got, strict=True):
-                sizes[position] = size
-                if size is not None and index > 0:
-                    self._promote(keys[position], outs[position][:size], index)
+                sizes[position], found_in[position] = size, index
             missing = [position for position in missing if sizes[position] is None]
         if failures == len(self.tiers):
             raise BackendError("every tier failed to read")
-        with self._lock:
-            self._hits += len(keys) - len(missing)
-            self._misses += len(missing)
-        return sizes
+        return sizes, found_in
+
+    def _fetch_many(self, keys: list[bytes], sizes: list[int]) -> list[ReadView | None]:
+        """Objects the first tier holds are its views; those found below are read straight
+        into reservations in the first tier (their promotion, which then costs no copy)
+        and viewed there; where there is no reservation (no room, the key being written)
+        or an object's size is not the one reserved, into a private buffer."""
+        first = self.tiers[0]
+        views = self._attempt(first, lambda t: [t.view(key) for key in keys], "read")
+        if not first.zero_copy or views is FAILED:
+            return super()._fetch_many(keys, sizes)
+        for key, view, size in zip(keys, views, sizes, strict=True):
+            if view is not None and view.data.nbytes > size:
+                raise self.too_small(key, view.data.nbytes, size)
+        missing = [i for i, view in enumerate(views) if view is None]
+        with ExitStack() as stack:
+            reserved = {i: Reservation(first, keys[i], sizes[i]) for i in missing}
+            for reservation in reserved.values():
+                stack.callback(reservation.end, commit=False)  # unless committed first
+            outs = [reserved[i].buffer for i in missing]
+            got, found_in = self._read_many([keys[i] for i in missing], outs, first=1)
+            for i, size, index in zip(missing, got, found_in, strict=True):
+                views[i] = self._fetched(keys[i], reserved[i], size, index)
+        self._count_many(views)
+        return views
+
+    def _fetched(
+        self, key: bytes, reservation: Reservation, size: int | None, found_in: int
+    ) -> ReadView | None:
+        """The view of an object read into its reservation: the first tier's once
+        committed, else a private copy (None: a miss)."""
+        if reservation.held and size == reservation.buffer.nbytes:
+            reservation.end(commit=True)
+            for copier in self.copiers[1:found_in]:
+                copier.submit(key)
+            return self.tiers[0].view(key)
+        data = None if size is None else bytes(reservation.buffer[:size])
+        reservation.end(commit=False)
+        return None if data is None else ReadView(memoryview(data))
 
     def _put_many(self, items: list[tuple[bytes, memoryview]]) -> list[bool]:
         """One batched put into the first tier, copies below in the background; if the

@@ -3,9 +3,11 @@
 The scheduler half marks the loads of a hit in a slow tier `background`
 (`maru.vllm.asyncloads`); vLLM keeps their request in WAITING_FOR_REMOTE_KVS and does not
 touch its blocks. Here each such request's objects are read in one job, off the engine's
-thread, with one batched read (`get_many_into`: one round trip per Redis node; a tiered
-store also promotes what its lower tiers hand over into its first tier) into buffers of
-a whole object each, which live until the copy: staging bounded by the fetcher's queue.
+thread, with one batched read (`fetch_many`: one round trip per Redis node) into memory
+the store picks: a tiered store reads what its lower tiers hold straight into its first
+tier (the promotion, at no extra copy) and hands over views of it; other stores into
+private buffers of a whole object each, which live until the copy (staging bounded by
+the fetcher's queue).
 The worker takes what arrived each step, checks and copies it into the request's blocks
 with its usual data path, and reports the request finished: loaded, or failed where a
 read failed, missed or passed its deadline (vLLM recomputes).
@@ -94,15 +96,6 @@ class BackgroundLoads:
 def _reader(
     store: Backend | None, keys: list[bytes], sizes: list[int]
 ) -> Callable[[], list[ReadView | None]]:
-    """One batched read of every object named, each into a buffer of its `sizes` (runs on
-    a fetcher thread): their bytes, in order (None: a miss)."""
-
-    def read() -> list[ReadView | None]:
-        buffers = [bytearray(size) for size in sizes]
-        got = store.get_many_into(keys, buffers)
-        return [
-            None if size is None else ReadView(memoryview(buffer)[:size].toreadonly())
-            for buffer, size in zip(buffers, got, strict=True)
-        ]
-
-    return read
+    """One batched read of every object named, each of at most its `sizes` (runs on a
+    fetcher thread): their views, in order (None: a miss)."""
+    return lambda: store.fetch_many(keys, sizes)

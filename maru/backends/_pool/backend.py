@@ -95,7 +95,7 @@ class PoolBackend(Backend):
     def _get_into(self, key: bytes, out: memoryview) -> int | None:
         def fits(size: int) -> memoryview:
             if size > out.nbytes:
-                raise self.too_small(key, size, out)
+                raise self.too_small(key, size, out.nbytes)
             return out
 
         view = self.pool.read(key, fits, self.checksum)

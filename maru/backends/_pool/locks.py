@@ -21,6 +21,8 @@ alive, what is its parent's.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import functools
 import os
@@ -58,6 +60,26 @@ def _fcntl_lock(fd: int, command: int, kind: int, offset: int) -> bytes:
     if fd < 0:
         raise BackendError(_LOST)
     return fcntl.fcntl(fd, command, _flock(kind, offset))
+
+
+_LIBC = ctypes.PyDLL(None, use_errno=True)
+"""libc, called without handing back the interpreter's lock (ctypes.PyDLL)."""
+_LIBC.fcntl.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_char_p)
+_LIBC.fcntl.restype = ctypes.c_int
+
+
+def _set_holding_interpreter(fd: int, flock: bytes) -> bool:
+    """F_OFD_SETLK (`flock`: take or give a lock), which never waits, without handing
+    back the interpreter's lock: Python's fcntl hands it back for every call, and a
+    thread that does so beside a busy one (a background load beside the engine's
+    thread) waits for it again each time, up to the switch interval. False where
+    another descriptor holds the byte."""
+    if _LIBC.fcntl(fd, fcntl.F_OFD_SETLK, flock) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EAGAIN, errno.EACCES):
+        return False
+    raise OSError(code, os.strerror(code))
 
 
 def _lock(fd: int, offset: int) -> None:
@@ -147,7 +169,9 @@ def lock_descriptor_in_child(inherited: int) -> int:
 
 
 class Mutex:
-    """Thread lock plus an OFD byte lock: excludes threads and processes."""
+    """Thread lock plus an OFD byte lock: excludes threads and processes. Taken and
+    given without handing back the interpreter's lock, unless another process holds
+    it (then waiting for it does)."""
 
     _TAKE = _flock(fcntl.F_WRLCK, MUTEX_BYTE)
     _GIVE = _flock(fcntl.F_UNLCK, MUTEX_BYTE)
@@ -161,13 +185,14 @@ class Mutex:
             raise BackendError(_LOST)
         self._thread_lock.acquire()
         try:
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, self._TAKE)
+            if not _set_holding_interpreter(self._fd, self._TAKE):  # another process has it
+                fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, self._TAKE)
         except BaseException:
             self._thread_lock.release()
             raise
 
     def __exit__(self, *exc_info: object) -> None:
-        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, self._GIVE)
+        _set_holding_interpreter(self._fd, self._GIVE)
         self._thread_lock.release()
 
     def after_fork(self, fd: int) -> None:
