@@ -51,6 +51,8 @@ DECODER_PROMPT = 24
 RUNS = {"no loads": None, "background": "auto", "in step": "never"}
 """Each run's `async_loads` (None: no loading requests)."""
 
+REPOSITORY = Path(__file__).resolve().parent.parent
+
 
 class LinkProxy:
     """A loopback TCP proxy to the server on `port` that holds each reply for `delay`
@@ -240,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_record(benchmark: str, args: argparse.Namespace, results: dict[str, Any]) -> None:
-    """The run's record at `args.json`: results, settings, commit, machine, versions."""
+    """The run's record at `args.json` (a relative path is the repository's, wherever the
+    benchmark runs from): results, settings, commit, machine, versions."""
     record = {"benchmark": benchmark, **stamp(), "settings": vars(args), "results": results}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=2, default=str))
-    print(f"\nwritten: {args.json}")
+    path = REPOSITORY / args.json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str))
+    print(f"\nwritten: {path}")
 
 
 if __name__ == "__main__":
