@@ -49,6 +49,7 @@ COUNTERS = {
     "maru": (
         "vllm:maru_hit_tokens_total",
         "vllm:maru_chunks_loaded_in_background_total",
+        "vllm:maru_staged_hit_tokens_total",
         "vllm:maru_slow_hit_tokens_recomputed_total",
         "vllm:external_prefix_cache_hits_total",
     ),

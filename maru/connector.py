@@ -131,7 +131,8 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def build_connector_worker_meta(self) -> MaruWorkerMeta | None:
         if self.worker_half is None:
             return None
-        return MaruWorkerMeta(frozenset({self.worker_half.fingerprint}))
+        handshake = self.worker_half.handshake()
+        return MaruWorkerMeta(frozenset({handshake.layout_fingerprint}), handshake.block_bytes)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -215,6 +216,7 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
             worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(worker_meta, MaruWorkerMeta):
                 self.scheduler_half.set_layout(set(worker_meta.layout_fingerprints))
+                self.scheduler_half.staging.learn(worker_meta.block_bytes)
 
     def has_pending_block_frees(self) -> bool:
         """Blocks of finished requests come free once their saves' copies are done: vLLM
@@ -233,11 +235,10 @@ class MaruKVConnector(KVConnectorBase_V1, compat.SupportsHMA):
         return self.scheduler.request_finished(request)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        fingerprints = {
-            m.layout_fingerprint for m in metadata.values() if isinstance(m, MaruHandshake)
-        }
-        if fingerprints:
-            self.scheduler.set_layout(fingerprints)
+        handshakes = [m for m in metadata.values() if isinstance(m, MaruHandshake)]
+        if handshakes:
+            self.scheduler.set_layout({m.layout_fingerprint for m in handshakes})
+            self.scheduler.staging.learn(b for m in handshakes for b in m.block_bytes)
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """The handshakes of every (pipeline stage, tensor-parallel rank)."""

@@ -39,23 +39,30 @@ def node(pool: str, redis: dict) -> dict:
     )
 
 
-def test_a_prefix_only_redis_holds_loads_in_the_background_and_gives_vllms_tokens(
-    tiny_model, redis_server, pool_names
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "worker"])
+def test_a_prefix_only_redis_holds_loads_off_the_step_and_gives_vllms_tokens(
+    tiny_model, redis_server, pool_names, staged
 ) -> None:
+    """Node B's shm pool lacks the prefix: the scheduler reads it from Redis into the
+    pool before scheduling it (`maru.vllm.staging`), then it loads as a memory hit; a
+    node without a pool (Redis alone) reads it on its worker's threads instead."""
     # B's tokens where B's prefix is vLLM's own hit of A's prefill
     reference = run_engine(tiny_model, PROMPTS_A + PROMPTS_B).token_ids[len(PROMPTS_A) :]
     redis = {"url": redis_server.url, "key_prefix": unique_name()}
     first_pool, other_pool = pool_names(), pool_names()
     run_engine(tiny_model, PROMPTS_A, kv_transfer_config=node(first_pool, redis))
-    other = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=node(other_pool, redis))
+    other_node = node(other_pool, redis) if staged else maru_config("redis", redis=redis)
+    other = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=other_node)
     assert other.external_cached_tokens == [SHARED, 0]
     totals = other.extra["connector_totals"]
-    assert (totals["loads"], totals["background_loads"], totals["load_errors"]) == (
-        SHARED // CHUNK,
-        SHARED // CHUNK,
-        0,
-    ), "the prefix came from Redis, read off the engine's thread"
+    chunks = SHARED // CHUNK
+    assert (totals["loads"], totals["load_errors"]) == (chunks, 0)
+    assert (totals["staged_tokens"], totals["background_loads"]) == (
+        (SHARED, 0) if staged else (0, chunks)
+    ), "the prefix came from Redis, read off the engine's step"
     assert other.token_ids == reference
+    if not staged:
+        return
     same = run_engine(tiny_model, PROMPTS_B, kv_transfer_config=node(first_pool, redis))
     assert same.external_cached_tokens == [SHARED, 0]
     assert same.extra["connector_totals"]["background_loads"] == 0, "from shm: within the step"

@@ -323,4 +323,5 @@ class SchedulerHarness:
         return self.connector.scheduler.chunk_keys(request)
 
     def close(self) -> None:
+        self.connector.shutdown()  # joins the scheduler half's threads
         self.store.close()

@@ -154,6 +154,12 @@ class TieredBackend(Backend):
     def host_memory(self) -> memoryview | None:
         return self.tiers[0].host_memory()
 
+    @property
+    def promotes_into_shared_memory(self) -> bool:
+        """Does `fetch_many` promote what lower tiers hold into memory that every process
+        on the node maps (a shm or cxl first tier), where they all can read it?"""
+        return self.tiers[0].zero_copy
+
     def media(self, keys: list[Key]) -> list[Medium]:
         """Per key, where a read of it goes: the first tier's medium where the first tier
         holds it, else the slowest medium below. Asks the first tier only, so answering

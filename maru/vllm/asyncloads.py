@@ -5,7 +5,9 @@ a tiered store) is copied inside the engine's step: it costs a memory copy. One 
 must come from a slow tier (a store or tier whose `medium` is "disk" or "remote") is
 loaded asynchronously: vLLM parks the request in WAITING_FOR_REMOTE_KVS, the worker
 reads the objects on its own threads (`maru.vllm.fetcher`) and copies them into the
-request's blocks once they are there, and other requests decode meanwhile.
+request's blocks once they are there, and other requests decode meanwhile. Where the
+store is tiered over a shm or cxl pool, the scheduler first reads the hit into that pool
+(`maru.vllm.staging`), and it then loads as a memory hit.
 
 Settings (maru's config): `async_loads` is "auto" (slow tiers only, the default),
 "always" or "never"; `async_load_timeout` is the seconds a background read of a request

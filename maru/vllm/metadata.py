@@ -55,14 +55,21 @@ class MaruHandshake(KVConnectorHandshakeMetadata):
     connector this one may never arrive: `MaruWorkerMeta` carries the same.)"""
 
     layout_fingerprint: str
+    block_bytes: frozenset[tuple[int, int, int]] = frozenset()
+    """As `MaruWorkerMeta.block_bytes`, known before the first request."""
 
 
 @dataclass(frozen=True)
 class MaruWorkerMeta(compat.KVConnectorWorkerMetadata):
     """Worker to scheduler, every step, on the channel vLLM keeps per connector (also
-    behind MultiConnector): the workers' layouts."""
+    behind MultiConnector): the workers' layouts, and the bytes of one block of each
+    worker's objects of each KV cache group, as (worker, group, bytes)."""
 
     layout_fingerprints: frozenset[str]
+    block_bytes: frozenset[tuple[int, int, int]] = frozenset()
 
     def aggregate(self, other: MaruWorkerMeta) -> MaruWorkerMeta:
-        return MaruWorkerMeta(self.layout_fingerprints | other.layout_fingerprints)
+        return MaruWorkerMeta(
+            self.layout_fingerprints | other.layout_fingerprints,
+            self.block_bytes | other.block_bytes,
+        )

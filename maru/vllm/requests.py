@@ -42,3 +42,7 @@ class RequestState:
     """Its hit loads in the background: vLLM waits for it (`maru.vllm.asyncloads`)."""
     judged: bool = False
     """Its hit on a slow tier has the policy's verdict (`maru.vllm.loadpolicy`)."""
+    staging: bool = False
+    """Its slow hit is being read into the node's memory (`maru.vllm.staging`)."""
+    staged: bool = False
+    """Its slow hit's staging read ended: what it loads is settled."""

@@ -16,7 +16,7 @@ from maru.config import MaruConfig
 from maru.errors import MaruError
 from maru.log import get_logger
 from maru.vllm import compat, keys
-from maru.vllm.asyncloads import async_loads, first_slow, in_background
+from maru.vllm.asyncloads import async_loads, first_slow, in_background, reads_slowly
 from maru.vllm.events import chunks_held, store_events
 from maru.vllm.groups import (
     UnservedGroups,
@@ -34,6 +34,7 @@ from maru.vllm.namespace import Namespace
 from maru.vllm.requests import RequestState
 from maru.vllm.roles import Handoff, Role, handoff, named
 from maru.vllm.saveplan import SavePlanner
+from maru.vllm.staging import Staging, can_stage, hit_shares
 from maru.vllm.stats import (
     HIT_TOKENS,
     LOOKUP_ERRORS,
@@ -42,6 +43,7 @@ from maru.vllm.stats import (
     PREFILL_RATE,
     SLOW_HITS_RECOMPUTED,
     SLOW_LOAD_RATE,
+    STAGED_TOKENS,
     MaruConnectorStats,
     Stat,
     store_gauges,
@@ -102,6 +104,7 @@ class MaruScheduler:
         self.role = Role.of(vllm_config, config)
         self.policy = LoadPolicy(loads_always(config.slow_hits, self.role), self.chunk_tokens)
         """Whether a hit on a slow tier loads or is recomputed (`maru.vllm.loadpolicy`)."""
+        self.staging = Staging(self.async_loads, self.policy)  # slow hits read before scheduled
         self.saves_hold_blocks = vllm_config.device_config.device_type != "cpu"
         """A finished request's blocks wait for its saves' copies (on a device they run
         beside the forward; on the CPU they are done within the step)."""
@@ -192,7 +195,7 @@ class MaruScheduler:
         if state is None or not self._answers(state, num_computed_tokens):
             state = self._look_up(request, num_computed_tokens)
             self.requests[request.request_id] = state
-        if self._awaits_producer(request, state) or not self._judged(state):
+        if self._awaits_producer(request, state) or not self._judged(state) or self._staging(state):
             return None  # vLLM asks again next step
         return max(0, self._hit_tokens(state) - num_computed_tokens)
 
@@ -204,9 +207,8 @@ class MaruScheduler:
 
     def _hit_objects(self, state: RequestState) -> list[bytes]:
         """The objects the request's hit loads (beyond vLLM's own hit)."""
-        chunks = state.keys[state.local_tokens // self.chunk_tokens : state.hit_chunks]
-        objects = chunks + ([state.tail.key] if state.tail else [])
-        return [key for o in objects for g in self.groups for key in self.shares(o, g.index)]
+        shares = hit_shares(state, self.groups, self.shares_per_chunk, self.chunk_tokens)
+        return [share.key for share in shares]
 
     def _judged(self, state: RequestState) -> bool:
         """Has a hit on a slow tier its verdict (`maru.vllm.loadpolicy`): loaded, or left
@@ -223,6 +225,27 @@ class MaruScheduler:
             state.tail, state.background = None, False
         state.judged = True
         return True
+
+    def _staging(self, state: RequestState) -> bool:
+        """Is the request's slow hit being read into the node's memory (`maru.vllm.staging`)?
+        Once there it loads as a memory hit; where it cannot be staged, in the background."""
+        if not state.background or state.staged:
+            return False
+        req_id, store = state.request.request_id, self.store.available()
+        tokens = self._hit_tokens(state) - state.local_tokens
+        if not state.staging:
+            shares = hit_shares(state, self.groups, self.shares_per_chunk, self.chunk_tokens)
+            state.staging = can_stage(store) and self.staging.start(req_id, store, shares, tokens)
+            return state.staging
+        arrived = self.staging.ended(req_id)
+        if arrived is None:
+            return True
+        state.staging, state.staged = False, True
+        if arrived and store is not None:
+            state.background = reads_slowly(store, self._hit_objects(state))
+        if not state.background:
+            self.stats.add(STAGED_TOKENS, tokens)
+        return False
 
     def _probe(self, state: RequestState) -> Callable[[], bytes | None]:
         """A read of one of the hit's objects on a slow tier (run off the engine's thread)."""
@@ -299,14 +322,10 @@ class MaruScheduler:
     ) -> Tail | None:
         """The longest tail after `chunk` whole chunks that the store holds and that adds
         to vLLM's own hit (`probed` was looked up already)."""
-        tails = [
-            tail
-            for tail in candidates(
-                request, self.key_prefix(), chunk, self.blocks_per_chunk, self.block_size
-            )
-            if tail != probed
-            and tail.block_range(self.blocks_per_chunk).stop * self.block_size > local_tokens
-        ]
+        tails = candidates(
+            request, self.key_prefix(), chunk, self.blocks_per_chunk, self.block_size, local_tokens
+        )
+        tails = [tail for tail in tails if tail != probed]
         held = self._stored([tail.key for tail in tails], counted=False)
         if held is None:
             return None
@@ -454,6 +473,7 @@ class MaruScheduler:
         objects it stored (a consumer given them waits for them)."""
         state = self.requests.pop(request.request_id, None)
         self.policy.finished(request.request_id)
+        self.staging.forget(request.request_id)
         self.failed_loads.discard(request.request_id)
         self._waiting_since.pop(request.request_id, None)
         saving = state is not None and state.saving
@@ -476,4 +496,5 @@ class MaruScheduler:
     def close(self) -> None:
         log.info("maru: scheduler half since start-up: %s", self.stats.lifetime)
         self.policy.close()
+        self.staging.close()
         self.store.close()

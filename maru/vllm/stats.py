@@ -59,6 +59,13 @@ BACKGROUND_LOADS = Stat(
     "other requests (`async_loads`).",
     "vllm:maru_chunks_loaded_in_background",
 )
+STAGED_TOKENS = Stat(
+    "staged_tokens",
+    "counter",
+    "Prompt tokens of slow hits the scheduler read into the node's memory before vLLM "
+    "scheduled them (a tiered store over shm or cxl), loaded then as memory hits.",
+    "vllm:maru_staged_hit_tokens",
+)
 SLOW_HITS_RECOMPUTED = Stat(
     "slow_hits_recomputed",
     "counter",
@@ -155,6 +162,7 @@ TABLE = (
     MISS_TOKENS,
     LOADS,
     BACKGROUND_LOADS,
+    STAGED_TOKENS,
     SLOW_HITS_RECOMPUTED,
     LOADED_BYTES,
     LOAD_SECONDS,

@@ -58,14 +58,16 @@ def own_tail(request: Any, prefix: bytes, blocks_per_chunk: int, block_size: int
 
 
 def candidates(
-    request: Any, prefix: bytes, chunk: int, blocks_per_chunk: int, block_size: int
+    request: Any, prefix: bytes, chunk: int, blocks_per_chunk: int, block_size: int, past: int
 ) -> list[Tail]:
-    """Every tail that could follow the request's first `chunk` whole chunks, longest
-    first (within the prompt's whole blocks)."""
+    """Every tail that could follow the request's first `chunk` whole chunks and ends
+    after token `past` (vLLM's own hit), longest first (within the prompt's whole
+    blocks)."""
     start = chunk * blocks_per_chunk
     longest = min(blocks_per_chunk - 1, whole_blocks(request, block_size) - start)
+    shortest = max(1, past // block_size - start + 1)
     hashes = request.block_hashes
     return [
         Tail(chunk_key(prefix, hashes[start + blocks - 1]), chunk, blocks)
-        for blocks in range(longest, 0, -1)
+        for blocks in range(longest, shortest - 1, -1)
     ]

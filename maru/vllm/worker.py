@@ -189,7 +189,8 @@ class MaruWorker:
         return any(path.on_device for path in self.paths.values())
 
     def handshake(self) -> MaruHandshake:
-        return MaruHandshake(self.fingerprint)
+        blocks = frozenset((self.rank, g, p.payload_bytes(1)) for g, p in self.paths.items())
+        return MaruHandshake(self.fingerprint, blocks)
 
     def object_bytes(self, group: int, blocks: int) -> int:
         """Bytes of an object of `group` with `blocks` blocks."""
