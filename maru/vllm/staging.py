@@ -3,7 +3,7 @@
 A tiered store whose first tier is memory every process on the node maps (shm, cxl)
 promotes what it reads from a lower tier into that tier (`Backend.fetch_many`). The
 scheduler half starts that read as soon as a lookup finds a hit on a slow tier (and
-the load policy says it is worth loading), on threads of its own, and answers vLLM
+the load policy says it is worth loading), on a thread of its own, and answers vLLM
 "not yet" (None) each step until the read ends; then the hit is in memory and loads
 as any memory hit does, a copy inside the next step.
 
