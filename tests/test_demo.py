@@ -93,7 +93,8 @@ def test_the_remote_demo_runs_two_nodes_sharing_only_a_private_redis(fresh_home,
     assert code == 0, out + err
     assert "sharing Redis at redis://127.0.0.1:" in err, "a private server on loopback"
     assert "Redis holds A's 3 objects" in err, "the prompt's two chunks and A's record"
-    assert "tokens engine B loaded from maru: 512 (from a slow tier, in the background)" in out
+    staged = "(from a slow tier, read into B's pool before vLLM scheduled it)"
+    assert f"tokens engine B loaded from maru: 512 {staged}" in out
     assert "outputs identical (engine B's maru hit vs engine A's own cache hit): True" in out
     left = set(SHM_DIR.glob("maru-*")) - pools_before
     assert not left, "neither node's pool is left in shared memory"

@@ -2,7 +2,8 @@
 
 Each node has a shm pool of its own in front of the shared Redis (`backend: tiered`,
 `tiers: [shm, redis]`); A's saves reach Redis through its tiered store's copier, and B,
-whose pool is empty, loads the prefix from Redis (in the background: a remote tier). The
+whose pool is empty, loads the prefix from Redis (B's scheduler reads it into B's pool
+before vLLM schedules the request: a remote tier, `maru.vllm.staging`). The
 Redis server is the configured one (`redis.url` in maru's config) under a key prefix of
 the demo's own, removed afterwards, or else a private redis-server on a loopback port,
 stopped afterwards.
